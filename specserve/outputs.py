@@ -1,0 +1,116 @@
+"""What callers get back: per-request outputs, streamed deltas and speculation metrics.
+
+Metric names and definitions follow vLLM's spec-decode metrics: acceptance rate =
+accepted / draft tokens; mean acceptance length = 1 + accepted / drafts, where a *draft*
+is one verified block of at least one draft token (the 1 counts the bonus/recovered token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_drafts: int = 0  # verification steps that checked >= 1 draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at draft position i
+    num_steps: int = 0  # all target steps, including those without drafts
+    num_fallback_steps: int = 0  # steps decoded target-only because the draft was unavailable
+
+    def record(self, num_draft_tokens: int, num_accepted: int, fallback: bool = False) -> None:
+        self.num_steps += 1
+        self.num_fallback_steps += int(fallback)
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    def merge(self, other: "SpecMetrics") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_steps += other.num_steps
+        self.num_fallback_steps += other.num_fallback_steps
+        width = max(len(self.num_accepted_tokens_per_pos), len(other.num_accepted_tokens_per_pos))
+        a = self.num_accepted_tokens_per_pos + [0] * (width - len(self.num_accepted_tokens_per_pos))
+        b = other.num_accepted_tokens_per_pos + [0] * (width - len(other.num_accepted_tokens_per_pos))
+        self.num_accepted_tokens_per_pos = [x + y for x, y in zip(a, b)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "num_steps": self.num_steps,
+            "num_fallback_steps": self.num_fallback_steps,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecMetrics":
+        keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "num_steps", "num_fallback_steps")
+        return cls(**{k: d[k] for k in keys if k in d})
+
+
+@dataclass
+class StepDelta:
+    """What one step added to one request (the unit streamed to callers)."""
+
+    request_id: str
+    token_ids: list[int]  # [num_new]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    fallback: bool = False
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, delta: StepDelta) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.metrics.record(delta.num_draft_tokens, delta.num_accepted_tokens, delta.fallback)
+        if delta.finished:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+    # vLLM-style aliases, so code written against vLLM's outputs reads the same.
+    @property
+    def acceptance_rate(self) -> float:
+        return self.metrics.acceptance_rate
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.metrics.mean_acceptance_length
