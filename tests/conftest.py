@@ -1,0 +1,83 @@
+"""Tiny random-weight models built from transformers configs, saved and reloaded with from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+# Tiny models: one intra-op thread avoids OpenMP spinning against other processes on 2 cores.
+torch.set_num_threads(1)
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORDS = [f"w{i}" for i in range(60)]
+
+
+def save_word_tokenizer(path: str) -> None:
+    """A 64-token word-level tokenizer ("w0".."w59" + specials) so string prompts and stop strings work."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, "<pad>": 2, "<bos>": 3}
+    for i, w in enumerate(WORDS):
+        vocab[w] = 4 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>", bos_token="<bos>")
+    fast.save_pretrained(path)
+
+
+def make_model(path, arch: str = "llama", seed: int = 0, vocab_size: int = 64, noise_from=None, noise: float = 0.0,
+               tokenizer: bool = False, max_positions: int = 256, eos_token_id=None, hidden: int = 32, layers: int = 2) -> str:
+    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=max_positions, **common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                             num_key_value_heads=2, max_position_embeddings=max_positions, **common))
+    elif arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=max_positions, **common))
+    elif arch == "gpt_neox":
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                                 max_position_embeddings=max_positions, **common))
+    else:
+        raise ValueError(arch)
+    # Random init is near-uniform; sharpen it so greedy outputs are not all ties in spirit.
+    with torch.no_grad():
+        emb = model.get_output_embeddings().weight
+        emb.mul_(20.0)
+        if noise_from is not None:
+            src = noise_from.state_dict()
+            model.load_state_dict({k: v + noise * torch.randn_like(v) * v.std().clamp_min(1e-3) if v.is_floating_point() and v.dim() > 1 else v
+                                   for k, v in src.items()})
+    model.save_pretrained(str(path))
+    if tokenizer:
+        save_word_tokenizer(str(path))
+    model._saved_path = str(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """target, a same-weights draft, a perturbed draft, an unrelated draft (Llama, vocab 64, tokenizer)."""
+    root = tmp_path_factory.mktemp("models")
+    target = make_model(root / "target", seed=0, tokenizer=True)
+    perturbed = make_model(root / "perturbed", seed=1, noise_from=target, noise=0.3, tokenizer=True)
+    unrelated = make_model(root / "unrelated", seed=2, tokenizer=True)
+    return {
+        "target": str(root / "target"),
+        "same": str(root / "target"),
+        "perturbed": str(root / "perturbed"),
+        "unrelated": str(root / "unrelated"),
+        "target_model": target,
+    }

@@ -1,0 +1,65 @@
+"""The slot KV cache: batched appends and per-sequence rollback match a full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.backends.hf import HFBackend
+
+from ..conftest import make_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_slot_cache_matches_full_forward(tmp_path, arch):
+    make_model(tmp_path / "m", arch=arch)
+    backend = HFBackend(str(tmp_path / "m"), dtype="float64")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float64).eval()
+
+    def full(tokens):
+        with torch.no_grad():
+            return ref(torch.tensor([tokens])).logits[0]
+
+    seqs = {"a": [1, 2, 3, 4, 5], "b": [7, 8], "c": list(range(9, 16))}
+    for s in seqs:
+        backend.add(s)
+    logits = backend.forward(list(seqs), list(seqs.values()), [1, 2, 1])
+    assert torch.allclose(logits[1, -2:], full(seqs["b"])[-2:], atol=1e-9)
+    for i, s in enumerate(seqs):
+        assert torch.allclose(logits[i, -1], full(seqs[s])[-1], atol=1e-9)
+    # Roll "a" back by position, free "b" (its row is reused), extend others by different widths.
+    backend.truncate("a", 3)
+    seqs["a"] = seqs["a"][:3] + [20, 21]
+    backend.free("b")
+    del seqs["b"]
+    backend.add("d")
+    seqs["c"] += [30]
+    seqs["d"] = [5, 6, 7]
+    logits = backend.forward(["d", "c", "a"], [[5, 6, 7], [30], [20, 21]], [3, 1, 2])
+    assert torch.allclose(logits[0], full(seqs["d"]), atol=1e-9)
+    assert torch.allclose(logits[1, -1], full(seqs["c"])[-1], atol=1e-9)
+    assert torch.allclose(logits[2, -2:], full(seqs["a"])[-2:], atol=1e-9)
+    assert backend.num_cached("a") == 5 and backend.num_cached("c") == 8
+
+
+def test_pool_grows_past_initial_capacity(tmp_path):
+    make_model(tmp_path / "m", max_positions=1024)
+    backend = HFBackend(str(tmp_path / "m"), dtype="float64")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float64).eval()
+    ids = [f"s{i}" for i in range(12)]  # more rows than the initial pool
+    tokens = {s: [(7 * i + j) % 60 for j in range(300 + i)] for i, s in enumerate(ids)}
+    for s in ids:
+        backend.add(s)
+    logits = backend.forward(ids, [tokens[s] for s in ids], [1] * len(ids))
+    with torch.no_grad():
+        for i, s in enumerate(ids):
+            assert torch.allclose(logits[i, -1], ref(torch.tensor([tokens[s]])).logits[0, -1], atol=1e-9)
+
+
+def test_context_overflow_is_a_value_error(tmp_path):
+    make_model(tmp_path / "m", max_positions=16)
+    backend = HFBackend(str(tmp_path / "m"))
+    backend.add("x")
+    with pytest.raises(ValueError, match="over max_model_len=16"):
+        backend.forward(["x"], [list(range(17))], [1])
