@@ -36,7 +36,7 @@ class SpecEngine:
 
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.target.check_prompt(prompt_token_ids)  # fail at submission, never mid-step
+        self.target.validate(prompt_token_ids, params)  # fail at submission, never mid-step
         if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
             raise ValueError(f"request_id {request_id!r} is already running")
         self.waiting.append((request_id, list(prompt_token_ids), params))
@@ -98,6 +98,10 @@ class SpecEngine:
         """The draft did not get ``req``: keep its changes for the next message that does."""
         self._opens = req.opens + self._opens
         self._results = req.results + self._results
+        self._closes = req.closes + self._closes
+
+    def draft_lost(self, req: ProposeRequest) -> None:
+        """The draft failed on ``req``: keep only its closes; live sequences resync on return."""
         self._closes = req.closes + self._closes
 
     def finish(self, reply: ProposeReply | None, fallback: bool = False) -> list[StepDelta]:

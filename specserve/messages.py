@@ -81,6 +81,8 @@ class ProposeReply:
     step: int
     blocks: list[DraftBlock] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # request ids the draft does not know (resync them)
+    # Collective channel only: rows of draft_probs per block sent as one tensor outside this message.
+    tensor_rows: list[int] = field(default_factory=list)
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (OpenSeq, VerifyResult, CloseSeq, DraftBlock, ProposeRequest, ProposeReply)}

@@ -25,6 +25,17 @@ from .verifier import verify_greedy, verify_sampled
 logger = logging.getLogger(__name__)
 
 
+def vocab_fingerprint(tokenizer, vocab_size: int) -> dict:
+    """What two sides compare to know their token ids mean the same tokens."""
+    import hashlib
+    import json
+
+    digest = None
+    if tokenizer is not None:
+        digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
+    return {"tokenizer_sha": digest, "vocab_size": vocab_size}
+
+
 @dataclass
 class TargetSeq:
     request_id: str
@@ -57,6 +68,14 @@ class TargetSide:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.backend.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.backend.vocab_size}), got {bad[:5]}")
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything ``open`` would reject, checked up front (at submission)."""
+        self.check_prompt(prompt_token_ids)
+        StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
+
+    def vocab_fingerprint(self) -> dict:
+        return vocab_fingerprint(self.tokenizer, self.backend.vocab_size)
 
     def open(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
         """Admit sequences and prefill their prompts in one batched forward."""
@@ -94,7 +113,7 @@ class TargetSide:
             n = min(len(b.draft_token_ids), self.room(s)) if ok else 0
             drafts.append(list(b.draft_token_ids[:n]) if n else [])
             p = b.draft_probs if ok and n and b.draft_probs is not None else None
-            draft_probs.append(torch.as_tensor(p[:n]).to(self.backend.device) if p is not None else None)
+            draft_probs.append(None if p is None else torch.as_tensor(p[:n] if isinstance(p, torch.Tensor) else p[:n].copy()).to(self.backend.device))
         logits = self.backend.forward(
             [s.request_id for s in seqs],
             [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)],
