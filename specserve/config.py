@@ -11,6 +11,19 @@ from dataclasses import asdict, dataclass, field
 
 NGRAM = "ngram"
 DEFAULT_ROLE_LABEL = "specserve.io/role"
+DEMO_ALIASES = ("demo:target", "demo:draft")  # the pair shipped in specserve/demo_models
+
+
+def resolve_model(model: str) -> str:
+    """Map ``demo:target`` / ``demo:draft`` to the shipped demo pair; other names pass through."""
+    if model in DEMO_ALIASES:
+        from .demo_models import DRAFT_PATH, TARGET_PATH
+
+        path = TARGET_PATH if model == "demo:target" else DRAFT_PATH
+        if not (path / "config.json").exists():
+            raise ValueError(f"{model!r}: the demo model pair is missing from this install ({path})")
+        return str(path)
+    return model
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,7 @@ class SideConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        object.__setattr__(self, "model", resolve_model(self.model))
         from .backends.hf import DTYPES
 
         if self.dtype not in DTYPES:

@@ -26,10 +26,12 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class Placement:
-    address: str | None = None  # "auto", "host:port", or None: join a running cluster, else start one
+    address: str | None = None  # "auto"/"host:port": join; "local": start a fresh one; None: join a running one, else start one
     strategy: str = "PACK"  # placement-group strategy; labels decide the node of each side
     role_label: str = DEFAULT_ROLE_LABEL  # default selector key when a side sets no label_selector
-    use_role_labels: bool = True  # False: place by resources only (e.g. the custom-resource fallback)
+    # "auto": pin sides by the role label when some node carries it, else colocate (one
+    # unlabelled node) with a warning; True: always require it; False: resources only.
+    use_role_labels: bool | str = "auto"
     channel: str = "ray"  # "ray" (object store, works everywhere) | "collective" (ray.util.collective tensors)
     collective_backend: str = "gloo"  # "gloo" on CPU, "nccl" between two GPUs
     channel_delay_ms: float = float(os.environ.get("SPECSERVE_CHANNEL_DELAY_MS", "0") or 0)  # emulated one-way link delay
@@ -40,6 +42,8 @@ class Placement:
     runtime_env: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.use_role_labels not in (True, False, "auto"):
+            raise ValueError(f"use_role_labels must be true, false or 'auto', got {self.use_role_labels!r}")
         if self.channel not in ("ray", "collective"):
             raise ValueError(f"channel must be 'ray' or 'collective', got {self.channel!r}")
         if self.collective_backend not in ("gloo", "nccl"):
@@ -60,6 +64,9 @@ def connect(placement: Placement) -> bool:
 
     if ray.is_initialized():
         return False
+    if placement.address == "local":
+        ray.init(runtime_env=placement.runtime_env or None, log_to_driver=False)
+        return True
     if placement.address:
         ray.init(address=placement.address, runtime_env=placement.runtime_env or None, log_to_driver=False)
         return False
@@ -72,12 +79,15 @@ def connect(placement: Placement) -> bool:
         return True
 
 
-def side_selector(side: SideConfig, role: str, placement: Placement, local: bool) -> dict[str, str]:
+def side_selector(side: SideConfig, role: str, placement: Placement, local: bool, nodes: list[dict]) -> dict[str, str]:
     if side.label_selector:
         return dict(side.label_selector)
-    if placement.use_role_labels and not local:
-        return {placement.role_label: role}
-    return {}
+    if placement.use_role_labels is False or local:
+        return {}
+    if placement.use_role_labels == "auto" and not any(placement.role_label in (n.get("Labels") or {}) for n in nodes if n.get("Alive")):
+        logger.warning("no node carries the label %s: placing the %s side on any node (colocated)", placement.role_label, role)
+        return {}
+    return {placement.role_label: role}
 
 
 def side_bundle(side: SideConfig) -> dict[str, float]:
@@ -139,7 +149,7 @@ def create_placement_group(config: EngineConfig, placement: Placement, local: bo
     nodes = ray.nodes()
     bundles, selectors = [], []
     for role, side in sides:
-        selector = side_selector(side, role, placement, local)
+        selector = side_selector(side, role, placement, local, nodes)
         bundle = side_bundle(side)
         check_feasible(role, selector, bundle, nodes)
         bundles.append(bundle)

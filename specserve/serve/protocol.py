@@ -147,7 +147,7 @@ class ServeArgs(BaseModel):
     draft_num_cpus: float = Field(1, ge=0, description="CPUs in the draft's bundle.")
     target_label: dict[str, str] | None = Field(None, description="Label selector for the target node (default specserve.io/role=target).")
     draft_label: dict[str, str] | None = Field(None, description="Label selector for the draft node (default specserve.io/role=draft).")
-    use_role_labels: bool = Field(True, description="Pin sides by the role label; false places anywhere (single node).")
+    use_role_labels: bool | Literal["auto"] = Field("auto", description="Pin sides by the specserve.io/role label: true, false, or auto (when some node has it).")
     target_resources: dict[str, float] = Field(default_factory=dict, description="Custom resources for the target bundle.")
     draft_resources: dict[str, float] = Field(default_factory=dict, description="Custom resources for the draft bundle.")
     channel: Literal["ray", "collective"] = Field("ray", description="Draft/target link.")
