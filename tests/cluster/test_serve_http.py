@@ -248,10 +248,10 @@ def test_backpressure_429_with_retry_after(server):
     assert limited.headers["retry-after"] == "1" and limited.json()["error"]["type"] == "rate_limit_error"
 
 
-def test_sides_on_labelled_nodes(server):
-    import ray
+def test_sides_on_labelled_nodes(server, ray_cluster):
     from ray.util.state import list_actors
 
-    actors = {a.class_name: a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)}
+    alive = list_actors(address=ray_cluster.address, filters=[("state", "=", "ALIVE")], detail=True)
+    actors = {a.class_name: a for a in alive}
     assert node_labels(actors["TargetWorker"].node_id)["specserve.io/role"] == "target"
     assert node_labels(actors["DraftWorker"].node_id)["specserve.io/role"] == "draft"
