@@ -8,6 +8,7 @@ sides. Speculation stats travel in the vendor field ``specserve``.
 """
 
 
+import asyncio
 import json
 import logging
 import os
@@ -104,6 +105,19 @@ class Router:
         self.max_model_len = self.engine.target_info["max_model_len"]
         self.created = int(time.time())
         self.in_flight = 0
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: an unreachable target makes the replica unhealthy
+        (Serve replaces it, and with it the target and draft actors it owns)."""
+        await asyncio.wait_for(self.engine.target.metrics.remote(), timeout=30)
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # interpreter shutdown: Ray may already be gone
+                pass
 
     # -- helpers --------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -22,7 +22,9 @@ def prometheus_text(m: dict, model: str, in_flight: int, draft_seqs: int | None)
     metric("specserve_spec_decode_num_drafts", "counter", "Verified draft blocks.", m["num_drafts"])
     metric("specserve_spec_decode_num_draft_tokens", "counter", "Draft tokens proposed and verified.", m["num_draft_tokens"])
     metric("specserve_spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.", m["num_accepted_tokens"])
-    for pos, n in enumerate(m["num_accepted_tokens_per_pos"]):
+    per_pos = list(m["num_accepted_tokens_per_pos"])
+    per_pos += [0] * (m.get("num_speculative_tokens", 0) - len(per_pos))  # every position exists from the start
+    for pos, n in enumerate(per_pos):
         metric("specserve_spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted draft tokens by position.", n, f'position="{pos}"')
     metric("specserve_spec_decode_num_fallback_steps", "counter", "Sequence steps decoded target-only because the draft was unavailable.", m["num_fallback_steps"])
     metric("specserve_draft_failures", "counter", "Times the draft became unavailable.", m["num_draft_failures"])
