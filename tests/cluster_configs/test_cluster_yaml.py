@@ -109,6 +109,8 @@ def test_local_roles_on_start_lines(name):
     head = ray_start_lines(config["head_start_ray_commands"])[0]
     node_ip = flag_value(head, "--node-ip-address")
     assert node_ip in (None, config["provider"]["head_ip"])
+    # `ray up` enables autoscaler v2, which never starts local-provider workers.
+    assert "RAY_enable_autoscaler_v2=0" in head
 
 
 @pytest.mark.parametrize("name", CLOUD_CONFIGS)
