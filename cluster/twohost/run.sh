@@ -19,10 +19,11 @@
 #   SPECSERVE_TWOHOST_SERVE_CONFIG  serve config for phase 2, relative to the repo
 #                                   (default: deployments/two_node.yaml)
 #   SPECSERVE_TWOHOST_MODELS        tiny (default): a tiny random target/draft pair from
-#                                   make_tiny_models.py replaces the config's models and
-#                                   each side asks for 0.5 CPU (nodes have 1);
-#                                   config: deploy the serve config unchanged
-#   SPECSERVE_TWOHOST_KEEP=1        leave cluster and hosts up (remove with hosts-down)
+#                                   make_tiny_models.py replaces the config's models;
+#                                   config: keep the config's models (e.g. the demo pair).
+#                                   Either way each side asks for 0.5 CPU (nodes have 1).
+#   SPECSERVE_TWOHOST_KEEP=1        leave cluster and hosts up after the checks
+#                                   (remove with hosts-down)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -210,25 +211,28 @@ pick_phase() {
   fi
 }
 
-# Phase 2: the serve config as the head will read it (the repo is at ~/specserve there).
+# Phase 2: the serve config as the head will read it (/var/tmp is shared by both hosts,
+# like an NFS mount). Each side asks for 0.5 CPU, as the nodes have 1 and the router
+# needs a little; with the tiny pair, the models are replaced too.
 prepare_serve_config() {
-  if [ "${SPECSERVE_TWOHOST_MODELS:-tiny}" = config ]; then
-    SERVE_PATH="~/specserve/$SERVE_CONFIG"
-  else
+  local models=""
+  if [ "${SPECSERVE_TWOHOST_MODELS:-tiny}" = tiny ]; then
     python3 "$HERE/make_tiny_models.py" "$STATE/models" >"$STATE/models.log" 2>&1 \
       || { cat "$STATE/models.log" >&2; die "make_tiny_models.py"; }
-    SERVE_PATH=$STATE/serve.yaml    # /var/tmp is shared by both hosts, like an NFS mount
-    python3 - "$REPO/$SERVE_CONFIG" "$SERVE_PATH" "$STATE/models" <<'EOF'
+    models=$STATE/models
+  fi
+  SERVE_PATH=$STATE/serve.yaml
+  python3 - "$REPO/$SERVE_CONFIG" "$SERVE_PATH" "$models" <<'EOF'
 import sys, yaml
 src, dst, models = sys.argv[1:]
 config = yaml.safe_load(open(src))
 for app in config["applications"]:
-    app["args"].update(target=f"{models}/target", draft=f"{models}/draft",
-                       target_num_cpus=0.5, draft_num_cpus=0.5)
+    app["args"].update(target_num_cpus=0.5, draft_num_cpus=0.5)
+    if models:
+        app["args"].update(target=f"{models}/target", draft=f"{models}/draft")
 yaml.safe_dump(config, open(dst, "w"), sort_keys=False)
 EOF
-  fi
-  log "serve config: $SERVE_CONFIG -> $SERVE_PATH"
+  log "serve config: $SERVE_CONFIG -> $SERVE_PATH (models: ${SPECSERVE_TWOHOST_MODELS:-tiny})"
 }
 
 run_all() {
@@ -266,6 +270,10 @@ run_all() {
   fi
   echo "$result"
   log "checks passed in $((SECONDS - t0)) s"
+  if [ "${SPECSERVE_TWOHOST_KEEP:-0}" = 1 ]; then
+    log "cluster left up: ray exec $CONFIG '...'; then $0 hosts-down"
+    return
+  fi
 
   t0=$SECONDS
   log "ray down -y $CONFIG"
