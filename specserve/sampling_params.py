@@ -6,7 +6,7 @@ naming the field, before any request reaches a model.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 

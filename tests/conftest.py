@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -72,8 +71,8 @@ def tiny_pair(tmp_path_factory):
     """target, a same-weights draft, a perturbed draft, an unrelated draft (Llama, vocab 64, tokenizer)."""
     root = tmp_path_factory.mktemp("models")
     target = make_model(root / "target", seed=0, tokenizer=True)
-    perturbed = make_model(root / "perturbed", seed=1, noise_from=target, noise=0.3, tokenizer=True)
-    unrelated = make_model(root / "unrelated", seed=2, tokenizer=True)
+    make_model(root / "perturbed", seed=1, noise_from=target, noise=0.3, tokenizer=True)
+    make_model(root / "unrelated", seed=2, tokenizer=True)
     return {
         "target": str(root / "target"),
         "same": str(root / "target"),

@@ -16,7 +16,7 @@ from dataclasses import asdict
 from ..config import EngineConfig
 from ..models import load_tokenizer
 from ..outputs import RequestOutput, SpecMetrics, StepDelta
-from .placement import DRAFT_BUNDLE, TARGET_BUNDLE, Placement, PlacementError, connect, create_placement_group
+from .placement import DRAFT_BUNDLE, TARGET_BUNDLE, Placement, connect, create_placement_group
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
