@@ -40,8 +40,11 @@ def test_quick_local_run_writes_tables_plot_and_json(tmp_path, capsys):
     assert [d["batch_size"] for d in data["local"]["draft_decode"]] == [1, 2]
 
     tables = (out / "tables.md").read_text()
-    assert "| batch | k | tokens/s | speedup | acceptance rate | mean acceptance length |" in tables
+    assert "| batch | k | tokens/s | spread | speedup | acceptance rate | mean acceptance length |" in tables
     assert "RTT < time saved per step" in tables
     assert tables.splitlines()[0] in capsys.readouterr().out  # also printed
     assert (out / "speedup_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "speedup_vs_delay.png").exists()
+
+    main(["--from-json", str(out / "results.json"), "--out", str(tmp_path / "redrawn")])  # measures nothing
+    assert (tmp_path / "redrawn" / "tables.md").read_text() == tables
