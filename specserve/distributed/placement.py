@@ -157,8 +157,10 @@ def create_placement_group(config: EngineConfig, placement: Placement, local: bo
     pg = placement_group(bundles, strategy=placement.strategy, bundle_label_selector=selectors)
     if not pg.wait(placement.ready_timeout_s):
         remove_placement_group(pg)
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))}
         raise PlacementError(
             f"placement group {bundles} with label selectors {selectors} (strategy {placement.strategy}) was not "
-            f"ready within {placement.ready_timeout_s:g}s; nodes offer:\n{describe_nodes(ray.nodes())}"
+            f"ready within {placement.ready_timeout_s:g}s: the cluster has {free} free (other actors, e.g. Serve "
+            f"replicas, hold the rest; lower num_cpus/num_gpus of a side or add nodes); nodes offer:\n{describe_nodes(ray.nodes())}"
         )
     return pg
