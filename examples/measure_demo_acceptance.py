@@ -7,7 +7,7 @@ vLLM's metrics: acceptance rate = accepted / draft tokens; mean acceptance lengt
 1 + accepted / drafts (verification steps with >= 1 draft token). Every speculative
 output is also checked token for token against target-only greedy output.
 
-    python examples/measure_demo_acceptance.py --k 2 4 8
+    PYTHONPATH=. python examples/measure_demo_acceptance.py --k 2 4 8   # or after pip install -e .
 """
 
 from __future__ import annotations
