@@ -268,6 +268,7 @@ class TargetWorker:
     def metrics(self) -> dict:
         return {
             **self.totals.to_dict(), **self.counters,
+            "num_engine_steps": self.engine.step_id,  # batched target forwards (one per step, all sequences)
             "num_running": self.engine.num_running, "num_waiting": len(self.engine.waiting),
             "draft_up": bool(self.draft_up), "has_draft": self.draft is not None,
             "num_speculative_tokens": self.engine.k, "channel": getattr(self.channel, "name", None),
