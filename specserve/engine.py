@@ -118,6 +118,10 @@ class SpecEngine:
             self.resync_draft(reply.missing)
         return deltas
 
+    @property
+    def has_pending_closes(self) -> bool:
+        return bool(self._closes)
+
     def take_closes(self) -> list[CloseSeq]:
         """Pending closes for the draft when no further step will carry them (idle engine)."""
         closes, self._closes = self._closes, []

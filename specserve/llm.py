@@ -89,6 +89,18 @@ class LLM:
             max_model_len=max_model_len,
             draft_probs=draft_probs,
         )
+        self._start(placement)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, placement=None) -> "LLM":
+        """Build from an ``EngineConfig`` (per-side resources, labels, devices); ``placement``
+        (a ``specserve.distributed.Placement``) runs the sides as Ray actors."""
+        self = cls.__new__(cls)
+        self.config = config
+        self._start(placement)
+        return self
+
+    def _start(self, placement) -> None:
         if placement is not None:
             from .distributed.client import RayEngine
 
@@ -96,19 +108,6 @@ class LLM:
         else:
             self._engine = LocalEngine(self.config)
         self.tokenizer = self._engine.tokenizer
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, placement=None) -> "LLM":
-        self = cls.__new__(cls)
-        self.config = config
-        if placement is not None:
-            from .distributed.client import RayEngine
-
-            self._engine = RayEngine(config, placement)
-        else:
-            self._engine = LocalEngine(config)
-        self.tokenizer = self._engine.tokenizer
-        return self
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         texts, token_ids, params = normalize_prompts(prompts, sampling_params, self.tokenizer)

@@ -229,7 +229,7 @@ class TargetWorker:
                 self.pending_aborts.append(d.request_id)
 
     async def _flush_closes(self) -> None:
-        if self.draft_up and self.engine._closes and self.engine.k > 0:
+        if self.draft_up and self.engine.has_pending_closes and self.engine.k > 0:
             from ..messages import ProposeRequest
 
             req = ProposeRequest(self.engine.step_id, 0, closes=self.engine.take_closes())
