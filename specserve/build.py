@@ -7,7 +7,7 @@ import logging
 from .backends import create_backend
 from .config import EngineConfig
 from .draft import DraftSide, ModelDrafter, NgramDrafter
-from .models import check_vocab_compatible, eos_token_ids, load_config, load_tokenizer, vocab_size_of
+from .models import check_vocab_compatible, eos_token_ids, load_config, load_tokenizer, vocab_fingerprint, vocab_size_of
 from .target import TargetSide
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,8 @@ def check_draft_compatible(cfg: EngineConfig) -> None:
         return
     t, d = cfg.target, cfg.draft
     check_vocab_compatible(
-        load_config(t.model, t.trust_remote_code), load_config(d.model, d.trust_remote_code),
-        load_tokenizer(t.model, t.trust_remote_code), load_tokenizer(d.model, d.trust_remote_code),
+        vocab_fingerprint(load_tokenizer(t.model, t.trust_remote_code), vocab_size_of(load_config(t.model, t.trust_remote_code))),
+        vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), vocab_size_of(load_config(d.model, d.trust_remote_code))),
     )
 
 

@@ -52,20 +52,33 @@ def vocab_size_of(config) -> int:
     return int(text_config.vocab_size)
 
 
-def check_vocab_compatible(target_config, draft_config, target_tokenizer, draft_tokenizer) -> None:
-    """Raise ``ValueError`` unless draft token ids mean the same tokens as the target's."""
-    if target_tokenizer is not None and draft_tokenizer is not None:
-        t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-        if t_vocab != d_vocab:
-            differing = sum(1 for tok, i in d_vocab.items() if t_vocab.get(tok) != i) + max(0, len(t_vocab) - len(d_vocab))
+def vocab_fingerprint(tokenizer, vocab_size: int) -> dict:
+    """What two sides compare (possibly across nodes) to know their token ids mean the same tokens."""
+    import hashlib
+    import json
+
+    if tokenizer is None:
+        return {"tokenizer_sha": None, "num_tokens": None, "vocab_size": vocab_size}
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+    return {"tokenizer_sha": digest, "num_tokens": len(vocab), "vocab_size": vocab_size}
+
+
+def check_vocab_compatible(target: dict, draft: dict) -> None:
+    """Raise ``ValueError`` unless draft token ids mean the same tokens as the target's.
+
+    ``target`` and ``draft`` are ``vocab_fingerprint`` dicts.
+    """
+    if target["tokenizer_sha"] and draft["tokenizer_sha"]:
+        if target["tokenizer_sha"] != draft["tokenizer_sha"]:
             raise ValueError(
                 f"draft and target vocabularies cannot be matched: their tokenizers differ "
-                f"({len(d_vocab)} vs {len(t_vocab)} tokens, {differing} ids map differently)"
+                f"({draft['num_tokens']} vs {target['num_tokens']} tokens, or the same tokens with other ids)"
             )
         return
-    t_size, d_size = vocab_size_of(target_config), vocab_size_of(draft_config)
-    if t_size != d_size:
+    if target["vocab_size"] != draft["vocab_size"]:
         raise ValueError(
-            f"draft and target vocabularies cannot be matched: vocab_size {d_size} (draft) != {t_size} (target), "
-            "and without tokenizers on both sides specserve cannot check that the ids mean the same tokens"
+            f"draft and target vocabularies cannot be matched: vocab_size {draft['vocab_size']} (draft) != "
+            f"{target['vocab_size']} (target), and without tokenizers on both sides specserve cannot check that "
+            "the ids mean the same tokens"
         )

@@ -16,6 +16,7 @@ import torch
 
 from .backends.base import ModelBackend
 from .messages import DraftBlock, VerifyResult
+from .models import vocab_fingerprint
 from .outputs import StepDelta
 from .sampling import make_generator, processed_probs
 from .sampling_params import SamplingParams
@@ -23,17 +24,6 @@ from .stopping import StopChecker
 from .verifier import verify_greedy, verify_sampled
 
 logger = logging.getLogger(__name__)
-
-
-def vocab_fingerprint(tokenizer, vocab_size: int) -> dict:
-    """What two sides compare to know their token ids mean the same tokens."""
-    import hashlib
-    import json
-
-    digest = None
-    if tokenizer is not None:
-        digest = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()[:16]
-    return {"tokenizer_sha": digest, "vocab_size": vocab_size}
 
 
 @dataclass

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import asdict
 
 from ..config import EngineConfig
-from ..models import load_tokenizer
+from ..models import check_vocab_compatible, load_tokenizer
 from ..outputs import RequestOutput, SpecMetrics, StepDelta
 from .placement import DRAFT_BUNDLE, TARGET_BUNDLE, Placement, connect, create_placement_group
 
@@ -73,14 +73,8 @@ class RayEngine:
         self.tokenizer = load_tokenizer(config.target.model, config.target.trust_remote_code)
 
     def _check_vocab(self) -> None:
-        if self.draft_info is None or self.draft_info["vocab"] is None:
-            return
-        t, d = self.target_info["vocab"], self.draft_info["vocab"]
-        if t["tokenizer_sha"] and d["tokenizer_sha"]:
-            if t["tokenizer_sha"] != d["tokenizer_sha"]:
-                raise ValueError("draft and target vocabularies cannot be matched: their tokenizers differ")
-        elif t["vocab_size"] != d["vocab_size"]:
-            raise ValueError(f"draft and target vocabularies cannot be matched: vocab_size {d['vocab_size']} (draft) != {t['vocab_size']} (target)")
+        if self.draft_info is not None and self.draft_info["vocab"] is not None:
+            check_vocab_compatible(self.target_info["vocab"], self.draft_info["vocab"])
 
     # -- batch ----------------------------------------------------------------------------
     def generate(self, texts, token_ids, params, use_tqdm=True, max_in_flight: int | None = None) -> list[RequestOutput]:

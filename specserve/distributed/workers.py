@@ -25,7 +25,7 @@ from ..engine import SpecEngine
 from ..messages import decode, encode
 from ..outputs import SpecMetrics
 from ..sampling_params import SamplingParams
-from ..target import vocab_fingerprint
+from ..models import load_tokenizer, vocab_fingerprint
 from .channel import DRAFT_RANK, TARGET_RANK, CollectiveChannel, RayChannel, pack_probs
 from .placement import Placement
 
@@ -49,8 +49,6 @@ class DraftWorker:
         backend = getattr(drafter, "backend", None)
         fp = None
         if backend is not None:
-            from ..models import load_tokenizer
-
             d = self.config.draft
             fp = vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), backend.vocab_size)
         return {**_node_info(), "vocab": fp}
