@@ -23,7 +23,7 @@ from ..build import build_draft, build_target
 from ..config import EngineConfig
 from ..engine import SpecEngine
 from ..messages import decode, encode
-from ..outputs import SpecMetrics
+from ..outputs import RequestOutput, SpecMetrics, StepDelta
 from ..sampling_params import SamplingParams
 from ..models import load_tokenizer, vocab_fingerprint
 from .channel import DRAFT_RANK, TARGET_RANK, CollectiveChannel, RayChannel, pack_probs
@@ -152,16 +152,11 @@ class TargetWorker:
                 self._wake.set()
 
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
-        out = {"request_id": request_id, "token_ids": [], "text": "", "finish_reason": None, "stop_reason": None}
-        metrics = SpecMetrics()
+        out = RequestOutput(request_id, None, list(token_ids))
         async for d in self.stream(request_id, token_ids, params):
-            out["token_ids"] += d["token_ids"]
-            out["text"] += d["text"]
-            metrics.record(d["num_draft_tokens"], d["num_accepted_tokens"], d["fallback"])
-            if d["finished"]:
-                out["finish_reason"], out["stop_reason"] = d["finish_reason"], d["stop_reason"]
-        out["metrics"] = metrics.to_dict()
-        return out
+            out.add(StepDelta(**d))
+        return {"request_id": request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict()}
 
     async def abort(self, request_id: str) -> None:
         self.pending_aborts.append(request_id)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..outputs import RequestOutput
 from .metrics import prometheus_text
 from .protocol import ChatCompletionRequest, CompletionRequest, ServeArgs
 
@@ -72,19 +73,6 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 async def _http_error(request: Request, exc: StarletteHTTPException):
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return _error_response(APIError(exc.status_code, str(exc.detail), type_))
-
-
-class _Stats:
-    def __init__(self):
-        from ..outputs import SpecMetrics
-
-        self.m = SpecMetrics()
-
-    def add(self, d) -> None:
-        self.m.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)
-
-    def to_dict(self) -> dict:
-        return self.m.to_dict()
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -224,18 +212,16 @@ class Router:
             return StreamingResponse(self._sse(rid, chat, token_ids, params, body.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.in_flight += 1
+        out = RequestOutput(rid, None, token_ids)
         try:
-            text, tokens, finish, stats = "", 0, None, _Stats()
             try:
                 async for d in self.engine.stream(token_ids, params, rid):
-                    text += d.text
-                    tokens += len(d.token_ids)
-                    stats.add(d)
-                    finish = d.finish_reason if d.finished else finish
+                    out.add(d)
             except ValueError as exc:
                 raise APIError(400, str(exc)) from None
         finally:
             self.in_flight -= 1
+        text, tokens, finish = out.text, len(out.token_ids), out.finish_reason
         choice = {"index": 0, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -243,12 +229,12 @@ class Router:
             choice.update(text=text, logprobs=None)
         return {
             "id": rid, "object": kind, "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": _usage(len(token_ids), tokens), "specserve": stats.to_dict(),
+            "usage": _usage(len(token_ids), tokens), "specserve": out.metrics.to_dict(),
         }
 
     async def _sse(self, rid, chat, token_ids, params, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
-        created, tokens, stats = int(time.time()), 0, _Stats()
+        created, out = int(time.time()), RequestOutput(rid, None, token_ids)
 
         def chunk(text: str | None, finish, first=False) -> str:
             if chat:
@@ -258,7 +244,7 @@ class Router:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if finish is not None:
-                body["specserve"] = stats.to_dict()
+                body["specserve"] = out.metrics.to_dict()
             return f"data: {json.dumps(body)}\n\n"
 
         self.in_flight += 1
@@ -266,13 +252,12 @@ class Router:
             if chat:
                 yield chunk("", None, first=True)
             async for d in self.engine.stream(token_ids, params, rid):
-                tokens += len(d.token_ids)
-                stats.add(d)
+                out.add(d)
                 if d.text or d.finished:
                     yield chunk(d.text, d.finish_reason if d.finished else None)
             if include_usage:
                 usage = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                         "usage": _usage(len(token_ids), tokens)}
+                         "usage": _usage(len(token_ids), len(out.token_ids))}
                 yield f"data: {json.dumps(usage)}\n\n"
         except ValueError as exc:
             yield f"data: {json.dumps(error_body(str(exc), 'invalid_request_error'))}\n\n"
