@@ -94,12 +94,6 @@ class SpecEngine:
         self._opens, self._results, self._closes = [], [], []
         return req
 
-    def skip_draft(self, req: ProposeRequest) -> None:
-        """The draft did not get ``req``: keep its changes for the next message that does."""
-        self._opens = req.opens + self._opens
-        self._results = req.results + self._results
-        self._closes = req.closes + self._closes
-
     def draft_lost(self, req: ProposeRequest) -> None:
         """The draft failed on ``req``: keep only its closes; live sequences resync on return."""
         self._closes = req.closes + self._closes

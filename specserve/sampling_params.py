@@ -66,10 +66,6 @@ class SamplingParams:
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
-        return cls(**d)
-
 
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):

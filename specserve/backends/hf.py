@@ -96,9 +96,6 @@ class HFBackend:
         self._seq_at_row.pop()
         self._length.pop()
 
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._row
-
     def num_cached(self, seq_id: str) -> int:
         return self._length[self._row[seq_id]]
 
