@@ -1,13 +1,30 @@
 """specserve: speculative decoding with the draft and the target on different machines, lossless.
 
-``import specserve`` needs only torch, transformers and msgpack; Ray, Serve and GPU
-extras are imported by the modules that use them.
+``import specserve`` is cheap and needs only the base install; names are imported on first
+use, and Ray, Serve, vLLM and GPU extras only by the modules that need them.
 """
 
-from .config import EngineConfig, SideConfig
-from .llm import LLM
-from .outputs import RequestOutput, SpecMetrics, StepDelta
-from .sampling_params import SamplingParams
+from __future__ import annotations
 
-__version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "SpecMetrics", "StepDelta", "EngineConfig", "SideConfig"]
+import importlib
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "LLM": "specserve.llm",
+    "SamplingParams": "specserve.sampling_params",
+    "RequestOutput": "specserve.outputs",
+    "SpecMetrics": "specserve.outputs",
+    "StepDelta": "specserve.outputs",
+    "SpecserveConfig": "specserve.config",
+    "SideConfig": "specserve.config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'specserve' has no attribute {name!r}")

@@ -1,48 +1,91 @@
-"""Build a target side and a draft side from an ``EngineConfig`` (in-process or inside an actor)."""
+"""Build each side from the configuration; backends and drafters come from registries.
+
+A backend is one class with ``from_side(side, max_model_len)`` and one line in ``BACKENDS``;
+a drafter is one line in ``DRAFTERS``. Each builder loads only its own side's files (the
+draft never reads the target's, and vice versa); the sides compare vocabulary fingerprints
+when they connect. Used in-process and inside the Ray actors alike.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 
-from .backends import create_backend
-from .config import EngineConfig
-from .draft import DraftSide, ModelDrafter, NgramDrafter
-from .models import check_vocab_compatible, eos_token_ids, load_config, load_tokenizer, vocab_fingerprint, vocab_size_of
+from .config import DraftConfig, SideConfig, SpecserveConfig
+from .draft import ModelDrafter, NgramDrafter
+from .draft_service import DraftService
+from .models import eos_token_ids, load_config, load_tokenizer, vocab_fingerprint
 from .target import TargetSide
 
 logger = logging.getLogger(__name__)
 
-
-def build_target(cfg: EngineConfig) -> TargetSide:
-    t = cfg.target
-    config = load_config(t.model, t.trust_remote_code)
-    tokenizer = load_tokenizer(t.model, t.trust_remote_code)
-    backend = create_backend(
-        t.backend, model=t.model, dtype=t.dtype, device=t.device, device_map=t.device_map,
-        trust_remote_code=t.trust_remote_code, max_model_len=cfg.max_model_len,
-    )
-    return TargetSide(backend, tokenizer, eos_token_ids(t.model, config, tokenizer))
+BACKENDS = {
+    "hf": "specserve.backends.hf:HFBackend",
+    "sim": "specserve.backends.sim:SimBackend",
+    "vllm": "specserve.backends.vllm:VLLMBackend",
+}
 
 
-def check_draft_compatible(cfg: EngineConfig) -> None:
-    """Raise ``ValueError`` before any weights load if the draft cannot serve this target."""
-    if cfg.draft is None or cfg.draft.is_ngram:
-        return
-    t, d = cfg.target, cfg.draft
-    check_vocab_compatible(
-        vocab_fingerprint(load_tokenizer(t.model, t.trust_remote_code), vocab_size_of(load_config(t.model, t.trust_remote_code))),
-        vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), vocab_size_of(load_config(d.model, d.trust_remote_code))),
-    )
+def create_backend(side: SideConfig, max_model_len: int | None = None):
+    """Instantiate ``side.backend``; imports it lazily so optional dependencies stay optional."""
+    if side.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {side.backend!r}")
+    module, cls = BACKENDS[side.backend].split(":")
+    return getattr(importlib.import_module(module), cls).from_side(side, max_model_len)
 
 
-def build_draft(cfg: EngineConfig) -> DraftSide:
+def _model_drafter(cfg: SpecserveConfig):
     d = cfg.draft
-    assert d is not None
-    if d.is_ngram:
-        return DraftSide(NgramDrafter(cfg.ngram_min, cfg.ngram_max))
-    target_vocab = vocab_size_of(load_config(cfg.target.model, cfg.target.trust_remote_code))
-    backend = create_backend(
-        d.backend, model=d.model, dtype=d.dtype, device=d.device, device_map=d.device_map,
-        trust_remote_code=d.trust_remote_code,
-    )
-    return DraftSide(ModelDrafter(backend, target_vocab, cfg.draft_probs), backend.device)
+    spec = cfg.speculation
+    backend = create_backend(d)
+    fanout = spec.fanout if spec.draft_ahead else 0
+    return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, **d.drafter_options)
+
+
+def _ngram_drafter(cfg: SpecserveConfig):
+    o = cfg.draft.drafter_options
+    return NgramDrafter(o.get("ngram_min", 1), o.get("ngram_max", 4))
+
+
+DRAFTERS = {"model": _model_drafter, "ngram": _ngram_drafter}
+
+
+def set_cpu_threads(cfg: SpecserveConfig, in_process: bool) -> None:
+    """Torch threads for CPU sides: the configured count, or a default that avoids oversubscription."""
+    import torch
+
+    if cfg.engine.cpu_threads is not None:
+        torch.set_num_threads(cfg.engine.cpu_threads)
+    elif in_process and cfg.target.device == "cpu":
+        # Target and draft share this process and overlap: half the cores each.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
+
+def build_target(cfg: SpecserveConfig) -> TargetSide:
+    t = cfg.target
+    tokenizer = load_tokenizer(t.model, t.trust_remote_code) if t.backend != "sim" else None
+    backend = create_backend(t, cfg.engine.max_model_len)
+    config = load_config(t.model, t.trust_remote_code) if t.backend != "sim" else None
+    eos = eos_token_ids(t.model, config, tokenizer) if config is not None else backend.eos_token_ids
+    return TargetSide(backend, tokenizer, eos)
+
+
+def draft_fingerprint(d: DraftConfig, drafter) -> dict | None:
+    """What the draft tells a connecting target (None: ids come from the context, e.g. ngram)."""
+    backend = getattr(drafter, "backend", None)
+    if backend is None:
+        return None
+    fp = getattr(backend, "vocab_fingerprint", None)
+    if fp is not None:
+        return fp()
+    return vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), backend.vocab_size)
+
+
+def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dict | None = None) -> DraftService:
+    d = cfg.draft
+    if d is None:
+        raise ValueError("this configuration has no draft")
+    drafter = DRAFTERS[d.drafter](cfg)
+    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, {"drafter": d.drafter, "backend": d.backend,
+                                                                           "model": d.model, **(info or {})})

@@ -1,17 +1,27 @@
-"""Engine configuration: one ``SideConfig`` per model (target, draft) and an ``EngineConfig``.
+"""The one configuration schema: Python API, CLI flags and Serve YAML all come from it.
 
-Frozen dataclasses validated in ``__post_init__``; plain dicts in and out so the same
-config crosses to Ray actors and comes from YAML/HTTP boundaries. Each side has its own
-backend, dtype, device, parallelism and placement, independent of the other side.
+``SpecserveConfig`` nests one section per concern: ``target`` and ``draft`` (model,
+backend, dtype, device, parallelism, placement, replicas), ``speculation``, ``engine``
+(limits), ``channel`` (the draft link), ``cluster`` (Ray) and ``server`` (HTTP). Every
+field has a description and a default here and nowhere else; ``flat_fields`` names each
+field once for the CLI (``--draft-num-gpus``) and for ``LLM(...)`` keywords
+(``draft_num_gpus=``). Pydantic models, frozen, unknown keys rejected. Backend- and
+drafter-specific options pass through ``backend_options`` / ``drafter_options`` without
+the core knowing them. Knows nothing of Ray or models beyond names.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
 
-NGRAM = "ngram"
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
 DEFAULT_ROLE_LABEL = "specserve.io/role"
 DEMO_ALIASES = ("demo:target", "demo:draft")  # the pair shipped in specserve/demo_models
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
 
 def resolve_model(model: str) -> str:
@@ -26,80 +36,223 @@ def resolve_model(model: str) -> str:
     return model
 
 
-@dataclass(frozen=True)
-class SideConfig:
-    model: str  # directory or hub id (draft: also "ngram")
-    backend: str = "hf"
-    dtype: str = "float32"
-    device: str = "cpu"
-    device_map: str | dict | None = None  # e.g. "auto": one side spread over its GPUs
-    tensor_parallel_size: int = 1  # for backends that shard (vllm); hf uses device_map
-    trust_remote_code: bool = False
-    # Placement (Ray only): resources of this side's bundle and where it may land.
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    label_selector: dict[str, str] = field(default_factory=dict)
-    resources: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        object.__setattr__(self, "model", resolve_model(self.model))
-        from .backends.hf import DTYPES
-
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError(f"num_cpus and num_gpus must be >= 0, got {self.num_cpus}, {self.num_gpus}")
-        if self.num_gpus and self.num_gpus < self.tensor_parallel_size and self.num_gpus >= 1:
-            raise ValueError(
-                f"num_gpus={self.num_gpus} is fewer than tensor_parallel_size={self.tensor_parallel_size}"
-            )
-
-    @property
-    def is_ngram(self) -> bool:
-        return self.model == NGRAM
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    target: SideConfig
-    draft: SideConfig | None = None
-    num_speculative_tokens: int = 4
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    draft_probs: bool = True  # sampled requests: send draft probabilities (else greedy point-mass drafts)
-    ngram_min: int = 1
-    ngram_max: int = 4
+class SideConfig(_Section):
+    """One model side (the target or the draft): what runs, how, and where."""
 
-    def __post_init__(self) -> None:
-        if isinstance(self.target, dict):
-            object.__setattr__(self, "target", SideConfig(**self.target))
-        if isinstance(self.draft, dict):
-            object.__setattr__(self, "draft", SideConfig(**self.draft))
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= 32:
-            raise ValueError(f"num_speculative_tokens must be an integer in [0, 32], got {k!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.target.is_ngram:
-            raise ValueError("target must be a model, not 'ngram'")
+    model: str = Field("", description="Model directory or hub id ('demo:target' / 'demo:draft': the shipped demo pair).")
+    backend: str = Field("hf", description="Model backend: hf (transformers), vllm, sim (latency-model simulator).")
+    dtype: Literal[DTYPES] = Field("float32", description="Weights and activations dtype ('auto': the checkpoint's).")
+    device: str = Field("cpu", description="Torch device of this side, e.g. cpu, cuda, cuda:1.")
+    device_map: str | None = Field(None, description="transformers device_map, e.g. 'auto' to spread one side over its GPUs.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor parallelism of this side (backends that shard, e.g. vllm).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model's repository.")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for the backend, passed through.")
+    num_replicas: int = Field(1, ge=1, description="Serve: replicas of this side (data parallel targets, a draft pool).")
+    autoscaling: dict[str, Any] | None = Field(None, description="Serve: autoscaling_config of this side's deployment (overrides num_replicas).")
+    num_cpus: float = Field(0.5, ge=0, description="Ray: CPUs reserved per replica of this side.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray: GPUs reserved per replica of this side.")
+    label_selector: dict[str, str] = Field(default_factory=dict, description="Ray: node labels this side must run on (default: specserve.io/role=<side>).")
+    resources: dict[str, float] = Field(default_factory=dict, description="Ray: custom resources per replica, e.g. {draft_node: 1}.")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        return resolve_model(v) if v else v
+
+    @model_validator(mode="after")
+    def _gpus(self):
+        if self.num_gpus >= 1 and self.num_gpus < self.tensor_parallel_size:
+            raise ValueError(f"num_gpus={self.num_gpus:g} is fewer than tensor_parallel_size={self.tensor_parallel_size}")
+        return self
+
+
+class DraftConfig(SideConfig):
+    drafter: Literal["model", "ngram"] = Field("model", description="How drafts are made: a draft model, or ngram prompt lookup (no model).")
+    drafter_options: dict[str, Any] = Field(default_factory=dict, description="Drafter options, e.g. {ngram_min: 1, ngram_max: 4}.")
+
+
+class SpeculationConfig(_Section):
+    num_speculative_tokens: int = Field(4, ge=0, le=32, description="Draft tokens per step (k); the most when adaptive. 0: target-only.")
+    adaptive: bool = Field(True, description="Choose k each step from measured acceptance and costs (k=0 when speculation does not pay).")
+    draft_probs: bool = Field(True, description="Sampled requests: the draft samples and sends its probabilities (else greedy point-mass drafts).")
+    draft_ahead: bool = Field(True, description="While the target verifies, the draft drafts ahead for the likeliest verdicts (speculation cache).")
+    fanout: int = Field(2, ge=1, le=16, description="Speculation cache: candidate tokens per verdict position.")
+    max_branches: int | None = Field(None, ge=1, description="Speculation cache: most branches per sequence (default (k+1) x fanout).")
+    draft_timeout_s: float = Field(10.0, gt=0, description="Longest wait for a draft reply (steady state uses ~20x the measured round trip).")
+    draft_min_timeout_s: float = Field(0.5, gt=0, description="Shortest timeout of a draft reply.")
+
+
+class EngineConfig(_Section):
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences verified together in one step.")
+    max_model_len: int | None = Field(None, ge=2, description="Context limit in tokens (default: the target's).")
+    cpu_threads: int | None = Field(None, ge=1, description="Torch threads per process on CPU (default: in-process half the cores, in Ray actors Ray's num_cpus).")
+
+
+class ChannelConfig(_Section):
+    delay_ms: float = Field(default_factory=lambda: float(os.environ.get("SPECSERVE_CHANNEL_DELAY_MS", "0") or 0), ge=0,
+                            description="Emulated one-way link delay in ms (testing; env SPECSERVE_CHANNEL_DELAY_MS).")
+    draft_port: int = Field(0, ge=0, le=65535, description="TCP port the draft listens on (0: any free port; set it to open a firewall).")
+    tensors: Literal["inline", "collective"] = Field("inline", description="Draft probabilities: inline in the messages, or over ray.util.collective.")
+    collective_backend: Literal["gloo", "nccl"] = Field("gloo", description="Backend of the collective tensor path: gloo (CPU), nccl (GPUs).")
+
+
+class ClusterConfig(_Section):
+    address: str | None = Field(None, description="Ray cluster: host:port or 'auto' to join; 'local' to start a fresh one; default RAY_ADDRESS, else a fresh local one.")
+    role_label: str = Field(DEFAULT_ROLE_LABEL, description="Label key that pins each side when it sets no label_selector.")
+    use_role_labels: bool | Literal["auto"] = Field("auto", description="Pin sides by the role label: true, false, or auto (when some node has it).")
+    placement_timeout_s: float = Field(30.0, gt=0, description="How long to wait for the sides' resources before failing.")
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env for the specserve actors.")
+
+
+class ServerConfig(_Section):
+    host: str = Field("127.0.0.1", description="HTTP host (0.0.0.0 to expose).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    model_name: str | None = Field(None, description="Model id served in /v1/models (default: the target's folder name).")
+    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' (also env SPECSERVE_API_KEY).")
+    api_key_file: str | None = Field(None, description="Read the API key from this file.")
+    open_metrics: bool = Field(False, description="Serve /metrics and the docs without the API key.")
+    max_pending_requests: int = Field(256, ge=1, description="Requests in flight beyond this get 429 + Retry-After.")
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413.")
+    router_num_cpus: float = Field(0.1, ge=0, description="Ray: CPUs reserved for each HTTP router replica.")
+    router_num_replicas: int = Field(1, ge=1, description="HTTP router replicas.")
+
+
+class SpecserveConfig(_Section):
+    target: SideConfig = Field(default_factory=SideConfig, description="The target model: the output follows its distribution exactly.")
+    draft: DraftConfig | None = Field(None, description="The draft model (null: target-only decoding).")
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculative decoding.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Limits of the target engine.")
+    channel: ChannelConfig = Field(default_factory=ChannelConfig, description="The draft/target link.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ray cluster and placement.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The OpenAI-compatible HTTP server.")
+
+    @model_validator(mode="after")
+    def _cross(self):
+        if not self.target.model:
+            raise ValueError("target.model is required (a model directory, hub id or demo:target)")
+        if self.draft is not None and self.draft.drafter == "model" and not self.draft.model:
+            raise ValueError("draft.model is required when draft.drafter is 'model' (or use drafter: ngram)")
+        if self.draft is not None and self.draft.drafter == "ngram":
+            lo, hi = self.draft.drafter_options.get("ngram_min", 1), self.draft.drafter_options.get("ngram_max", 4)
+            if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+                raise ValueError(f"drafter_options ngram_min/ngram_max must satisfy 1 <= min <= max, got {lo}, {hi}")
+        return self
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None and self.num_speculative_tokens > 0
+        return self.draft is not None and self.speculation.num_speculative_tokens > 0
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        return d
+    @property
+    def model_name(self) -> str:
+        return self.server.model_name or Path(self.target.model.rstrip("/")).name
 
+    # -- loading -----------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict) -> "EngineConfig":
-        return cls(**d)
+    def load(cls, source: "SpecserveConfig | dict | str | Path | None" = None, **overrides) -> "SpecserveConfig":
+        """From a config, a dict, or a YAML/JSON file path, then flat overrides (``draft_num_gpus=1``)."""
+        if isinstance(source, SpecserveConfig):
+            data = source.model_dump()
+        elif isinstance(source, (str, Path)):
+            data = read_config_file(source)
+        else:
+            data = dict(source or {})
+        try:
+            return cls.model_validate(apply_flat(normalize(data), overrides))
+        except ValidationError as exc:
+            raise ValueError(f"invalid configuration: {validation_message(exc)}") from None
+
+
+def read_config_file(path: str | Path) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {str(p)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def normalize(data: dict) -> dict:
+    """Accept shorthand: ``target: path`` and ``draft: path | ngram | none`` for the model alone."""
+    data = dict(data)
+    if isinstance(data.get("target"), str):
+        data["target"] = {"model": data["target"]}
+    draft = data.get("draft")
+    if isinstance(draft, str):
+        data["draft"] = None if draft.lower() in ("none", "") else ({"drafter": "ngram"} if draft == "ngram" else {"model": draft})
+    return data
+
+
+# -- one flat name per field: CLI flags and LLM(...) keywords ----------------------------------
+_SECTION_PREFIX = {"target": "target_", "draft": "draft_", "speculation": "", "engine": "", "channel": "", "cluster": "",
+                   "server": ""}
+_RENAMES = {("target", "model"): "target", ("draft", "model"): "draft", ("channel", "delay_ms"): "channel_delay_ms",
+            ("channel", "tensors"): "channel_tensors", ("cluster", "address"): "address",
+            ("cluster", "runtime_env"): "runtime_env"}
+# Shortcuts that set a field on both sides (the draft's only when it does not set its own).
+SHARED_SIDE_FIELDS = ("dtype", "device", "trust_remote_code")
+
+
+def _section_models() -> dict[str, type[BaseModel]]:
+    return {"target": SideConfig, "draft": DraftConfig, "speculation": SpeculationConfig, "engine": EngineConfig,
+            "channel": ChannelConfig, "cluster": ClusterConfig, "server": ServerConfig}
+
+
+def flat_fields() -> dict[str, tuple[str, str, Any]]:
+    """{flat name: (section, field, FieldInfo)} for every field of every section."""
+    out = {}
+    for section, model in _section_models().items():
+        for name, info in model.model_fields.items():
+            flat = _RENAMES.get((section, name), _SECTION_PREFIX[section] + name)
+            assert flat not in out, f"two config fields map to --{flat}"
+            out[flat] = (section, name, info)
+    return out
+
+
+def apply_flat(data: dict, overrides: dict) -> dict:
+    """Apply flat overrides (``draft_num_gpus=1``, ``dtype='float64'``) onto nested config data."""
+    fields = flat_fields()
+    shared = {k: overrides[k] for k in SHARED_SIDE_FIELDS if k in overrides}
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for key, value in overrides.items():
+        if key in shared:
+            continue
+        if key not in fields:
+            raise TypeError(f"unknown configuration field {key!r}; see `specserve serve --help` for the names")
+        section, name, _ = fields[key]
+        if section == "draft" and name == "model":
+            draft = normalize({"draft": value})["draft"] if isinstance(value, str) or value is None else value
+            data["draft"] = None if draft is None else {**(data.get("draft") or {}), **draft}
+            continue
+        if section == "target" and name == "model":
+            data["target"] = {**(data.get("target") or {}), "model": value}
+            continue
+        if section == "draft" and data.get("draft") is None:
+            data["draft"] = {}
+        data[section] = {**(data.get(section) or {}), name: value}
+    for name, value in shared.items():
+        data["target"] = {**(data.get("target") or {}), name: value}
+        if data.get("draft") is not None and f"draft_{name}" not in overrides:
+            data["draft"] = {**data["draft"], name: value}
+    return data
+
+
+def validation_message(exc: ValidationError) -> str:
+    """A pydantic error as one line per problem, naming the field by its flat name."""
+    fields = {(s, n): flat for flat, (s, n, _) in flat_fields().items()}
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(x) for x in err["loc"])
+        where = fields.get(loc[:2], ".".join(loc)) if loc else "config"
+        lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)

@@ -1,66 +1,105 @@
-"""The draft side: keeps each sequence's committed tokens and proposes draft blocks.
+"""The draft side: each sequence's committed tokens and draft KV, and the speculation cache.
 
-Data flow per step: ``handle(ProposeRequest)`` opens/closes sequences, applies each
-``VerifyResult`` (keep ``base_len`` tokens, append ``token_ids``), then asks its drafter
-for up to ``k`` draft tokens per requested sequence and answers a ``ProposeReply``.
-Sequences it does not know (e.g. after a restart) are listed in ``missing`` so the target
-re-opens them with their full tokens. Knows nothing of verification or Ray.
+Data flow per ``ProposeRequest`` (``DraftSide.handle``, on the critical path): close and
+open sequences; apply each ``VerifyResult`` in O(1) (keep the KV of ``base_len +
+num_accepted`` tokens, splice ``token_ids`` onto the committed list); answer a block of
+``k`` draft tokens per wanted sequence, from the speculation cache when the verdict is one
+the draft prepared for (a *hit*: no drafting on the critical path), else by drafting now (a
+*miss*). After the reply has left, ``DraftSide.prepare`` runs while the target verifies
+(SSD/Saguaro's idea): one *glue* forward feeds the block just sent, then the likeliest
+verdicts (j drafts accepted, then recovered token r; or all accepted, then bonus r) are
+drafted ahead as branches of a tree, one batched forward per depth, until the next request
+arrives or the tree is k deep. Draws are keyed by token position (``rng``), so a block
+drafted ahead equals the block drafted on demand: hits and misses never change output.
+Logits stay in the draft's own vocabulary width; the target aligns q rows to its own.
 
-KV rollback asymmetry (model drafter): after proposing d_1..d_k the draft cache holds the
-committed tokens plus d_1..d_{k-1}. If i < k drafts are accepted it rolls back to
-``base_len + i`` and feeds the recovered token; if all k are accepted it has not yet seen
-d_k nor the bonus token and feeds both. Both cases fall out of "truncate to the common
-prefix of what was fed and what is committed, then feed the rest".
+KV asymmetry (stated once): a block drafted now leaves the KV holding the committed tokens
+plus d_1..d_{k-1}; if i < k drafts are accepted the KV is cut to base_len + i; if all k are,
+the draft has not yet seen d_k nor the bonus token and feeds both next time. Both cases are
+"keep min(num_fed, base_len + num_accepted), feed the rest". Knows nothing of transports.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
 
 from .backends.base import ModelBackend
-from .messages import DraftBlock, OpenSeq, ProposeReply, ProposeRequest
+from .messages import DraftBlock, DraftStats, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
 from .ngram import ngram_propose
-from .sampling import make_generator, processed_probs
+from .rng import DRAFT_SAMPLE, uniforms
+from .sampling import processed_probs, sample_with_uniforms
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Branch:
+    """A block drafted ahead for one possible verdict."""
+
+    token_ids: list[int]  # drafts continuing the verdict's token
+    probs: list[np.ndarray]  # [len(token_ids)] q rows (sampled requests with probabilities), else empty
+    cands: list[tuple[list[int], list[float]]]  # per draft slot: the draft's likeliest tokens and their q
+
+
+@dataclass
 class DraftSeq:
     request_id: str
+    key: str  # the backend's sequence id (unique across every target connected to this draft)
     token_ids: list[int]  # committed tokens, as the target last reported them
     temperature: float
     top_k: int
     top_p: float
-    generator: torch.Generator | None = None
-    fed: list[int] = field(default_factory=list)  # tokens whose KV the draft backend holds
+    seed: int
+    num_fed: int = 0  # KV entries the backend holds: committed tokens, then block tokens
+    block: list[int] = field(default_factory=list)  # the drafts last sent
+    block_base: int = -1  # committed length the block continues
+    block_probs: list[np.ndarray] = field(default_factory=list)
+    block_cands: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per block slot + bonus slot
+    cache: dict[tuple[int, int], Branch] = field(default_factory=dict)  # (num_accepted, token) -> branch
+    verdict: tuple[int, int, int] | None = None  # (base_len, num_accepted, last token) of the last result
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
 
 
 @dataclass
 class Proposal:
     token_ids: list[int]  # [num_draft]
     probs: np.ndarray | None = None  # [num_draft, vocab] float32, or None for a point mass
+    cache_hit: bool = False
 
 
 class Drafter(Protocol):
+    """Proposes draft tokens; ``prepare`` (optional work off the critical path) may be a no-op."""
+
     def open(self, seq: DraftSeq) -> None: ...
 
     def close(self, seq: DraftSeq) -> None: ...
 
-    def propose(self, seqs: list[DraftSeq], k: int) -> list[Proposal]: ...
+    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]: ...
+
+    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None: ...
+
+    def rollback(self, seq: DraftSeq, num_tokens: int) -> None: ...
 
 
 class NgramDrafter:
     """Prompt lookup; proposals are deterministic, so only token ids cross the wire."""
 
+    num_forwards = 0
+    forward_s = 0.0
+    step_time_s = 0.0
+
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+            raise ValueError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
     def open(self, seq: DraftSeq) -> None:
@@ -69,97 +108,244 @@ class NgramDrafter:
     def close(self, seq: DraftSeq) -> None:
         pass
 
-    def propose(self, seqs: list[DraftSeq], k: int) -> list[Proposal]:
-        return [Proposal(ngram_propose(s.token_ids, k, self.min_n, self.max_n)) for s in seqs]
+    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
+        return [Proposal(ngram_propose(s.token_ids, k, self.min_n, self.max_n) if k else []) for s, k in zip(seqs, ks)]
+
+    def prepare(self, seqs, should_stop) -> None:
+        pass
+
+    def rollback(self, seq: DraftSeq, num_tokens: int) -> None:
+        pass
 
 
 class ModelDrafter:
-    """Autoregressive drafting with a small causal LM behind a ``ModelBackend``."""
+    """Autoregressive drafting with a small causal LM behind a ``ModelBackend``.
 
-    def __init__(self, backend: ModelBackend, target_vocab_size: int, send_probs: bool = True):
+    ``fanout`` > 0 turns on the speculation cache: up to ``fanout`` candidate tokens per
+    verdict position, at most ``max_branches`` branches per sequence (default (k+1) x fanout).
+    """
+
+    def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None):
         self.backend = backend
-        self.target_vocab_size = target_vocab_size
         self.send_probs = send_probs
+        self.fanout = fanout if hasattr(backend, "forward_branches") else 0
+        self.max_branches = max_branches
+        self.num_forwards = 0  # forwards of the last propose (critical path)
+        self.forward_s = 0.0  # and their time
+        self.step_time_s = 0.0  # running estimate of one batched single-token forward
+        self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches
 
     def open(self, seq: DraftSeq) -> None:
-        self.backend.add(seq.request_id)
+        self.backend.add(seq.key)
 
     def close(self, seq: DraftSeq) -> None:
-        self.backend.free(seq.request_id)
+        self.backend.free(seq.key)
 
-    def _aligned(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the target's vocabulary (tokenizers match; embedding padding may not)."""
-        width = logits.shape[-1]
-        if width == self.target_vocab_size:
-            return logits
-        if width > self.target_vocab_size:
-            return logits[..., : self.target_vocab_size]
-        pad = logits.new_full((*logits.shape[:-1], self.target_vocab_size - width), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
+    def rollback(self, seq: DraftSeq, num_tokens: int) -> None:
+        self.backend.truncate(seq.key, num_tokens)
 
-    def _choose(self, seq: DraftSeq, logits: torch.Tensor) -> tuple[int, np.ndarray | None]:
-        # logits: [vocab]
-        if seq.temperature == 0.0 or not self.send_probs:
-            # A point mass must be deterministic to stay lossless: always argmax here.
-            return int(logits.argmax().item()), None
-        probs = processed_probs(logits[None], seq.temperature, seq.top_k, seq.top_p)[0]
-        token = int(torch.multinomial(probs, 1, generator=seq.generator).item())
-        return token, probs.float().cpu().numpy()
+    # -- helpers ----------------------------------------------------------------------------
+    def _choose(self, seqs: list[DraftSeq], logits: torch.Tensor, positions: list[int], want_cands: bool):
+        """One draft token per row at the given positions, plus (optionally) each row's candidates.
 
-    def propose(self, seqs: list[DraftSeq], k: int) -> list[Proposal]:
-        if k == 0 or not seqs:
-            return [Proposal([]) for _ in seqs]
+        logits: [rows, vocab]. Greedy rows (and every row when probabilities are not sent:
+        a point mass must be deterministic) take the argmax; sampled rows draw from q with the
+        uniform keyed by (seed, position).
+        """
+        tokens = logits.argmax(dim=-1)
+        probs_out: list[np.ndarray | None] = [None] * len(seqs)
+        sampled = [i for i, s in enumerate(seqs) if not s.greedy and self.send_probs]
+        q = None
+        if sampled:
+            rows = torch.tensor(sampled)
+            q = processed_probs(logits[rows], [seqs[i].temperature for i in sampled], [seqs[i].top_k for i in sampled],
+                                [seqs[i].top_p for i in sampled])
+            u = uniforms([seqs[i].seed for i in sampled], DRAFT_SAMPLE, [positions[i] for i in sampled])
+            tokens[rows] = sample_with_uniforms(q, u)
+            # .cpu(): q rows cross the wire as numpy.
+            q_np = q.float().cpu().numpy()
+            for j, i in enumerate(sampled):
+                probs_out[i] = q_np[j]
+        cands = None
+        if want_cands and self.fanout:
+            score = torch.softmax(logits.float(), dim=-1)
+            if sampled:
+                score[torch.tensor(sampled)] = q.float()
+            top = torch.topk(score, min(self.fanout + 1, score.shape[-1]), dim=-1)
+            # .tolist(): candidates choose next round's branches on the host.
+            cands = list(zip(top.indices.tolist(), top.values.tolist()))
+        return tokens.tolist(), probs_out, cands
+
+    def _time(self, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        self.step_time_s = elapsed if self.step_time_s == 0.0 else 0.9 * self.step_time_s + 0.1 * elapsed
+
+    # -- critical path ------------------------------------------------------------------------
+    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
+        self.num_forwards, self.forward_s = 0, 0.0
+        out: list[Proposal | None] = [None] * len(seqs)
         room = self.backend.max_model_len
-        new_tokens = []
-        for s in seqs:
-            common = 0
-            limit = min(len(s.fed), len(s.token_ids))
-            while common < limit and s.fed[common] == s.token_ids[common]:
-                common += 1
-            common = min(common, len(s.token_ids) - 1)  # always feed >= 1 token to get logits
-            self.backend.truncate(s.request_id, common)
-            s.fed = list(s.token_ids[:common])
-            new_tokens.append(s.token_ids[common:])
-        # Never draft past the draft model's own context.
-        budget = [max(0, min(k, room - len(s.token_ids))) for s in seqs]
-        active = [i for i in range(len(seqs)) if budget[i] > 0]
-        drafts: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[np.ndarray]] = [[] for _ in seqs]
-        feed = {i: new_tokens[i] for i in active}
-        for depth in range(max((budget[i] for i in active), default=0)):
-            rows = [i for i in active if budget[i] > depth]
+        work = []  # (index, prefix, k) of sequences that need drafting now
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            k = max(0, min(k, room - len(s.token_ids)))  # never draft past the draft model's own context
+            prefix: list[int] = []
+            branch = self._lookup(s)
+            if branch is not None and k:
+                prefix = branch.token_ids[:k]
+            s.block, s.block_base = [], len(s.token_ids)
+            s.block_probs, s.block_cands = [], []
+            s.cache = {}
+            if branch is not None and k:
+                s.block_cands = list(branch.cands[: len(prefix)])
+                s.block_probs = list(branch.probs[: len(prefix)])
+            if k and len(prefix) >= k:
+                s.block = prefix
+                out[i] = self._proposal(s, cache_hit=True)
+            elif k:
+                work.append((i, prefix, k))
+            else:
+                out[i] = Proposal([])
+        if work:
+            self._draft([seqs[i] for i, _, _ in work], [p for _, p, _ in work], [k for _, _, k in work])
+            for i, prefix, _ in work:
+                out[i] = self._proposal(seqs[i], cache_hit=bool(prefix))
+        return out  # type: ignore[return-value]
+
+    def _lookup(self, s: DraftSeq) -> Branch | None:
+        if s.verdict is None or not s.cache:
+            return None
+        base, accepted, token = s.verdict
+        return s.cache.get((accepted, token)) if base == s.block_base else None
+
+    def _proposal(self, s: DraftSeq, cache_hit: bool) -> Proposal:
+        probs = np.stack(s.block_probs) if s.block_probs and not s.greedy and self.send_probs else None
+        return Proposal(list(s.block), probs, cache_hit)
+
+    def _draft(self, seqs: list[DraftSeq], prefixes: list[list[int]], ks: list[int]) -> None:
+        """Draft until each sequence's block holds k tokens, starting from ``prefix`` (a partial hit)."""
+        feed = []
+        for s, prefix in zip(seqs, prefixes):
+            if s.num_fed >= len(s.token_ids):  # need the logits after the last committed token: re-feed it
+                s.num_fed = len(s.token_ids) - 1
+                self.backend.truncate(s.key, s.num_fed)
+            feed.append(s.token_ids[s.num_fed :] + prefix)
+            s.block = list(prefix)
+        active = list(range(len(seqs)))
+        while active:
             # Long catch-up feeds (new or resynced sequences) go in their own forward so the
             # common single-token rows are not padded to a prompt's width.
-            groups = [[i for i in rows if len(feed[i]) > 2], [i for i in rows if len(feed[i]) <= 2]]
-            for group in groups:
+            for group in ([i for i in active if len(feed[i]) > 2], [i for i in active if len(feed[i]) <= 2]):
                 if not group:
                     continue
-                logits = self.backend.forward([seqs[i].request_id for i in group], [feed[i] for i in group], [1] * len(group))
-                logits = self._aligned(logits[:, -1])
+                start = time.perf_counter()
+                logits = self.backend.forward([seqs[i].key for i in group], [feed[i] for i in group], [1] * len(group))
+                self.num_forwards += 1
+                self.forward_s += time.perf_counter() - start
+                if max(len(feed[i]) for i in group) <= 2:
+                    self._time(start)
+                group_seqs = [seqs[i] for i in group]
+                positions = [s.block_base + len(s.block) for s in group_seqs]
+                tokens, probs, cands = self._choose(group_seqs, logits[:, -1], positions, want_cands=True)
                 for row, i in enumerate(group):
-                    seqs[i].fed.extend(feed[i])
-                    token, p = self._choose(seqs[i], logits[row])
-                    drafts[i].append(token)
-                    if p is not None:
-                        probs[i].append(p)
-                    feed[i] = [token]
-        return [Proposal(d, np.stack(p) if p else None) for d, p in zip(drafts, probs)]
+                    s = seqs[i]
+                    s.num_fed += len(feed[i])
+                    s.block.append(tokens[row])
+                    if probs[row] is not None:
+                        s.block_probs.append(probs[row])
+                    if cands is not None:
+                        s.block_cands.append(cands[row])
+                    feed[i] = [tokens[row]]
+            active = [i for i in active if len(seqs[i].block) < ks[i]]
+
+    # -- off the critical path -------------------------------------------------------------
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """Per-position acceptance, from the verify results (chooses which branches to draft)."""
+        for pos in range(min(num_accepted + 1, num_draft)):
+            self.acceptance[pos] = 0.95 * self.acceptance[pos] + 0.05 * (1.0 if pos < num_accepted else 0.0)
+
+    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None:
+        """Glue forward over each block just sent, then the branch tree for its likeliest verdicts."""
+        seqs = [s for s in seqs if s.block and self.fanout]
+        if not seqs or should_stop():
+            return
+        feed = [s.token_ids[s.num_fed :] + s.block if s.num_fed < len(s.token_ids) else s.block[s.num_fed - len(s.token_ids) :]
+                for s in seqs]
+        logits = self.backend.forward([s.key for s in seqs], feed, [1] * len(seqs))
+        bonus_positions = [s.block_base + len(s.block) for s in seqs]
+        _, _, cands = self._choose(seqs, logits[:, -1], bonus_positions, want_cands=True)
+        for s, f, c in zip(seqs, feed, cands):
+            s.num_fed += len(f)
+            s.block_cands = s.block_cands[: len(s.block)] + [c]
+        roots = [self._roots(s) for s in seqs]
+        live = [i for i, r in enumerate(roots) if r]
+        if not live:
+            return
+        seqs, roots = [seqs[i] for i in live], [roots[i] for i in live]
+        lanes = max(len(r) for r in roots)
+        room = self.backend.max_model_len
+        depth_max = min(max(len(s.block) for s in seqs), min(room - s.block_base - len(s.block) - 1 for s in seqs))
+        branches = [[Branch([], [], []) for _ in r] for r in roots]
+        tokens = [[tok for _, tok in r] for r in roots]
+        prefix_lens = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]
+        for depth in range(depth_max):
+            if should_stop():
+                break
+            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, depth, lanes)
+            flat_seqs, flat_rows, positions = [], [], []
+            for i, s in enumerate(seqs):
+                for b in range(len(tokens[i])):
+                    flat_seqs.append(s)
+                    flat_rows.append((i, b))
+                    positions.append(prefix_lens[i][b] + depth + 1)
+            index = torch.tensor([i * lanes + b for i, b in flat_rows])
+            picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True)
+            for n, (i, b) in enumerate(flat_rows):
+                br = branches[i][b]
+                br.token_ids.append(picked[n])
+                if probs[n] is not None:
+                    br.probs.append(probs[n])
+                if cands is not None:
+                    br.cands.append(cands[n])
+                tokens[i][b] = picked[n]
+        for s, r, bs in zip(seqs, roots, branches):
+            s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+
+    def _roots(self, s: DraftSeq) -> list[tuple[int, int]]:
+        """The likeliest verdicts (num_accepted j, token) of the block just sent, best first."""
+        k = len(s.block)
+        scored = []
+        reach = 1.0  # P(the first j drafts are accepted)
+        for j in range(k + 1):
+            if j >= len(s.block_cands):
+                break
+            tokens, q = s.block_cands[j]
+            if j < k:
+                p_outcome = reach * (1.0 - self.acceptance[j])
+                own = s.block[j]
+                rest = max(1e-9, 1.0 - sum(p for t, p in zip(tokens, q) if t == own))  # q mass of the other tokens
+                scored += [(p_outcome * p / rest, j, t) for t, p in zip(tokens, q) if t != own][: self.fanout]
+                reach *= self.acceptance[j]
+            else:
+                scored += [(reach * p, j, t) for t, p in zip(tokens, q)][: self.fanout]
+        scored.sort(key=lambda x: -x[0])
+        limit = self.max_branches if self.max_branches is not None else (k + 1) * self.fanout
+        return [(j, t) for _, j, t in scored[:limit]]
 
 
 class DraftSide:
-    """Owns draft-side sequence state; speaks ``ProposeRequest`` -> ``ProposeReply``."""
+    """Owns one target connection's sequences; speaks ``ProposeRequest`` -> ``ProposeReply``."""
 
-    def __init__(self, drafter: Drafter, device: str | torch.device = "cpu"):
+    def __init__(self, drafter: Drafter, namespace: str = ""):
         self.drafter = drafter
-        self.device = device
+        self.namespace = namespace
         self.seqs: dict[str, DraftSeq] = {}
+        self._proposed: list[DraftSeq] = []  # sequences whose block prepare() continues
 
     def open(self, msg: OpenSeq) -> None:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
             self.close(msg.request_id)
-        seed = None if msg.seed is None else msg.seed + 0x5EED  # draft randomness independent of the target's
-        generator = make_generator(seed, self.device) if msg.temperature > 0 else None
-        seq = DraftSeq(msg.request_id, list(msg.token_ids), msg.temperature, msg.top_k, msg.top_p, generator)
+        seq = DraftSeq(msg.request_id, f"{self.namespace}{msg.request_id}", list(msg.token_ids), msg.temperature,
+                       msg.top_k, msg.top_p, msg.seed)
         self.drafter.open(seq)
         self.seqs[msg.request_id] = seq
 
@@ -168,7 +354,28 @@ class DraftSide:
         if seq is not None:
             self.drafter.close(seq)
 
+    def close_all(self) -> None:
+        for rid in list(self.seqs):
+            self.close(rid)
+
+    def apply(self, seq: DraftSeq, r: VerifyResult) -> None:
+        """O(1) rollback: keep the KV of base_len + num_accepted tokens, splice the new ones."""
+        assert r.base_len <= len(seq.token_ids)
+        if seq.block and r.base_len == seq.block_base:
+            observe = getattr(self.drafter, "observe", None)
+            if observe is not None:
+                observe(len(seq.block), r.num_accepted)
+        valid = min(seq.num_fed, r.base_len + r.num_accepted)
+        if valid < seq.num_fed:
+            seq.num_fed = valid
+            self.drafter.rollback(seq, valid)
+        del seq.token_ids[r.base_len :]
+        seq.token_ids.extend(r.token_ids)
+        last = r.token_ids[-1] if r.token_ids else -1
+        seq.verdict = (r.base_len, r.num_accepted, last) if len(r.token_ids) == r.num_accepted + 1 else None
+
     def handle(self, req: ProposeRequest) -> ProposeReply:
+        start = time.perf_counter()
         for c in req.closes:
             self.close(c.request_id)
         for o in req.opens:
@@ -179,16 +386,25 @@ class DraftSide:
             if seq is None or len(seq.token_ids) < r.base_len:
                 missing.append(r.request_id)
                 continue
-            seq.token_ids = seq.token_ids[: r.base_len] + list(r.token_ids)
-        wanted = [rid for rid in req.request_ids if rid in self.seqs]
-        missing += [rid for rid in req.request_ids if rid not in self.seqs and rid not in missing]
-        seqs = [self.seqs[rid] for rid in wanted]
-        proposals = self.drafter.propose(seqs, req.num_speculative_tokens)
-        blocks = [
-            DraftBlock(s.request_id, req.step, len(s.token_ids), p.token_ids, p.probs)
-            for s, p in zip(seqs, proposals)
-        ]
-        return ProposeReply(req.step, blocks, missing)
+            self.apply(seq, r)
+        lost = set(missing)
+        wanted = [(self.seqs[rid], k) for rid, k in zip(req.request_ids, req.num_draft_tokens) if rid in self.seqs and rid not in lost]
+        missing += [rid for rid in req.request_ids if rid not in self.seqs and rid not in lost]
+        seqs, ks = [s for s, _ in wanted], [k for _, k in wanted]
+        proposals = self.drafter.propose(seqs, ks)
+        blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.cache_hit) for s, p in zip(seqs, proposals)]
+        self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids]
+        step = self.drafter.step_time_s
+        hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
+        stats = DraftStats(time.perf_counter() - start, self.drafter.forward_s, self.drafter.num_forwards, hidden, step)
+        return ProposeReply(req.step, blocks, missing, stats)
+
+    def prepare(self, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Work for the next request, off the critical path (the speculation cache)."""
+        seqs = [s for s in self._proposed if self.seqs.get(s.request_id) is s]
+        self._proposed = []
+        if seqs:
+            self.drafter.prepare(seqs, should_stop)
 
     @property
     def num_seqs(self) -> int:

@@ -1,42 +1,73 @@
-"""The step loop that couples a target side and a draft side by messages (continuous batching).
+"""One step loop for every deployment: in-process, Ray actor, HTTP.
 
-One step: ``plan()`` admits waiting requests (target prefill) and builds one
-``ProposeRequest`` with the opens, verify results and closes since the last step; the
-caller delivers it to the draft side however it likes (in-process call, Ray actor, a
-channel) and hands the ``ProposeReply`` (or ``None`` when the draft is unavailable) to
-``finish()``, which verifies every live sequence in one batched target forward and
-returns the per-request deltas. Knows nothing of Ray; the same loop runs in both.
+``EngineCore.step`` (synchronous, one thread): admit waiting requests (one batched prefill;
+each new sequence is opened on a draft), choose k (``SpeculationController``), ask the
+drafts (``DraftPool.propose``: one request per draft, all sent before any is awaited),
+verify every live sequence in one forward (``TargetSide.verify``), queue the verify results
+for the drafts and free finished sequences. A sequence that fails fails alone: a batched
+forward that raises is retried on halves of the batch until the failing rows are found.
+``EngineLoop`` runs ``step`` on a dedicated thread and is the only way in: ``submit`` and
+``abort`` from any thread, deltas delivered to each request's sink (a queue of an asyncio
+loop, a batch collector), so concurrent streams work by construction. Knows nothing of Ray.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
 
-from .messages import CloseSeq, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
-from .outputs import StepDelta
+from .adaptive import SpeculationController
+from .messages import OpenSeq
+from .outputs import SpecMetrics, StepDelta
+from .pool import DraftPool
+from .rng import random_seed
 from .sampling_params import SamplingParams
 from .target import TargetSide
 
 logger = logging.getLogger(__name__)
 
+Sink = Callable[[object], None]  # receives StepDelta objects, or one Exception that ends the request
 
-class SpecEngine:
-    def __init__(self, target: TargetSide, num_speculative_tokens: int, max_num_seqs: int = 256, has_draft: bool = True):
+
+class RequestFailed(RuntimeError):
+    """A request failed inside the engine (its own fault or a bug); other requests are unaffected."""
+
+
+@dataclass
+class StepResult:
+    deltas: list[StepDelta] = field(default_factory=list)
+    failed: dict[str, Exception] = field(default_factory=dict)
+
+
+TIMING_KEYS = ("wall_s", "target_forward_s", "prefill_s", "draft_wait_s", "draft_compute_s", "draft_forward_s",
+               "draft_hidden_s")
+
+
+class EngineCore:
+    def __init__(self, target: TargetSide, pool: DraftPool | None, controller: SpeculationController,
+                 max_num_seqs: int = 256):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.target = target
-        self.k = num_speculative_tokens if has_draft else 0
+        self.pool = pool
+        self.controller = controller
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.step_id = 0
-        self._opens: list[OpenSeq] = []
-        self._results: list[VerifyResult] = []
-        self._closes: list[CloseSeq] = []
+        self.totals = SpecMetrics()
+        self.timing = {k: 0.0 for k in TIMING_KEYS}
+        self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
+                         "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0}
 
-    # -- requests -------------------------------------------------------------------------
+    # -- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.target.validate(prompt_token_ids, params)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.target.validate(prompt_token_ids, params)  # fail at submission, never mid-step
         if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
             raise ValueError(f"request_id {request_id!r} is already running")
         self.waiting.append((request_id, list(prompt_token_ids), params))
@@ -47,16 +78,23 @@ class SpecEngine:
             if w[0] == request_id:
                 del self.waiting[i]
                 return True
-        if request_id in self.target.seqs:
-            self.target.close(request_id)
-            self._forget(request_id, "aborted")
-            return True
-        return False
+        return self._close(request_id)
 
-    def _forget(self, request_id: str, reason: str) -> None:
-        self._opens = [o for o in self._opens if o.request_id != request_id]
-        self._results = [r for r in self._results if r.request_id != request_id]
-        self._closes.append(CloseSeq(request_id, reason))
+    def _close(self, request_id: str) -> bool:
+        if request_id not in self.target.seqs:
+            return False
+        self.target.close(request_id)
+        if self.pool is not None:
+            self.pool.close(request_id)
+        return True
+
+    def reopen(self, request_id: str) -> OpenSeq | None:
+        """The draft-side view of a live sequence: its whole committed tokens (open and resync)."""
+        s = self.target.seqs.get(request_id)
+        if s is None:
+            return None
+        p = s.params
+        return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.target.seqs)
@@ -65,66 +103,207 @@ class SpecEngine:
     def num_running(self) -> int:
         return self.target.num_seqs
 
-    # -- draft resync ---------------------------------------------------------------------
-    def resync_draft(self, request_ids: list[str] | None = None) -> None:
-        """Re-open sequences on the draft with their full committed tokens (after a restart)."""
-        ids = list(self.target.seqs) if request_ids is None else [r for r in request_ids if r in self.target.seqs]
-        drop = set(ids)
-        self._opens = [o for o in self._opens if o.request_id not in drop]
-        self._results = [r for r in self._results if r.request_id not in drop]
-        for rid in ids:
-            s = self.target.seqs[rid]
-            p = s.params
-            self._opens.append(OpenSeq(rid, list(s.token_ids), p.temperature, p.top_k, p.top_p, p.seed))
+    # -- one step -----------------------------------------------------------------------------
+    def _admit(self, failed: dict[str, Exception]) -> None:
+        batch = []
+        while self.waiting and self.target.num_seqs + len(batch) < self.max_num_seqs:
+            rid, prompt, params = self.waiting.popleft()
+            batch.append((rid, prompt, params, params.seed if params.seed is not None else random_seed()))
+        if not batch:
+            return
+        start = time.perf_counter()
+        try:
+            self.target.open(batch)
+        except Exception:  # find the prompt(s) that fail; the others are admitted
+            for one in batch:
+                try:
+                    self.target.open([one])
+                except Exception as exc:
+                    logger.exception("request %s failed at prefill", one[0])
+                    failed[one[0]] = exc
+        self.timing["prefill_s"] += time.perf_counter() - start
+        if self.pool is not None:
+            for rid, *_ in batch:
+                if rid in self.target.seqs:
+                    self.pool.open(rid)
 
-    # -- one step -------------------------------------------------------------------------
-    def plan(self) -> ProposeRequest | None:
-        """Admit requests and build this step's message to the draft (None: nothing to do)."""
-        admitted = []
-        while self.waiting and self.target.num_seqs + len(admitted) < self.max_num_seqs:
-            admitted.append(self.waiting.popleft())
-        if admitted:
-            self.target.open(admitted)
-            for rid, prompt, p in admitted:
-                self._opens.append(OpenSeq(rid, prompt, p.temperature, p.top_k, p.top_p, p.seed))
-        if not self.target.seqs:
-            return None
+    def _verify(self, blocks, fallback: set[str], only: list[str]):
+        try:
+            return self.target.verify(blocks, fallback, only)
+        except Exception as exc:
+            if len(only) == 1:
+                logger.exception("request %s failed in a target forward", only[0])
+                self._close(only[0])
+                return [], [], {only[0]: exc}
+            half = len(only) // 2
+            d1, r1, f1 = self._verify(blocks, fallback, only[:half])
+            d2, r2, f2 = self._verify(blocks, fallback, only[half:])
+            return d1 + d2, r1 + r2, {**f1, **f2}
+
+    def step(self) -> StepResult:
+        start = time.perf_counter()
+        result = StepResult()
+        if self.pool is not None:
+            self.pool.poll()
+        self._admit(result.failed)
+        seqs = self.target.seqs
+        if not seqs:
+            return result
         self.step_id += 1
-        req = ProposeRequest(self.step_id, self.k, self._opens, self._results, self._closes, list(self.target.seqs))
-        self._opens, self._results, self._closes = [], [], []
-        return req
-
-    def draft_lost(self, req: ProposeRequest) -> None:
-        """The draft failed on ``req``: keep only its closes; live sequences resync on return."""
-        self._closes = req.closes + self._closes
-
-    def finish(self, reply: ProposeReply | None, fallback: bool = False) -> list[StepDelta]:
-        """Verify every live sequence; returns one delta per sequence (finished ones are freed)."""
-        blocks = {b.request_id: b for b in reply.blocks} if reply is not None and reply.step == self.step_id else {}
-        deltas, results = self.target.verify(self.step_id, blocks, fallback)
+        batch_size = len(seqs)
+        have_draft = self.pool is not None and self.pool.has_drafts
+        k = self.controller.choose(batch_size, have_draft)
+        wants = {}
+        if k:
+            for rid, s in seqs.items():
+                n = min(k, self.target.room(s))
+                if n:
+                    wants[rid] = n
+        blocks, fallback, outcome = {}, set(), None
+        if wants:
+            outcome = self.pool.propose(self.step_id, wants)
+            blocks, fallback = outcome.blocks, outcome.fallback
+        elif self.pool is not None and not have_draft and self.controller.max_k:
+            fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only
+        forward_before = self.target.forward_s
+        deltas, results, failed = self._verify(blocks, fallback, list(seqs))
+        result.failed.update(failed)
         for d, r in zip(deltas, results):
             if d.finished:
-                self.target.close(d.request_id)
-                self._closes.append(CloseSeq(d.request_id, "finished"))
-            else:
-                self._results.append(r)
-        if reply is not None and reply.missing:
-            self.resync_draft(reply.missing)
-        return deltas
+                self._close(d.request_id)
+            elif self.pool is not None:
+                self.pool.result(r)
+            self.totals.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)
+            self.controller.observe_acceptance(d.num_draft_tokens, d.num_accepted_tokens)
+            self.counters["num_generated_tokens"] += len(d.token_ids)
+        result.deltas = deltas
+        target_s = self.target.forward_s - forward_before
+        tokens_per_row = 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0)
+        hits = sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids)
+        num_blocks = sum(1 for b in blocks.values() if b.draft_token_ids)
+        if outcome is not None:
+            self.controller.observe_step(batch_size, tokens_per_row, target_s, outcome.wait_s, outcome.compute_s,
+                                         outcome.forward_s, outcome.draft_step_s, num_blocks, hits)
+            t = self.timing
+            t["draft_wait_s"] += outcome.wait_s
+            t["draft_compute_s"] += outcome.compute_s
+            t["draft_forward_s"] += outcome.forward_s
+            t["draft_hidden_s"] += outcome.hidden_s
+            self.counters["num_speculative_steps"] += 1
+        else:
+            self.controller.observe_step(batch_size, tokens_per_row, target_s)
+        self.counters["num_cache_hits"] += hits
+        self.counters["num_blocks"] += num_blocks
+        self.counters["num_requests_failed"] += len(result.failed)
+        self.counters["num_steps"] += 1
+        self.timing["target_forward_s"] += target_s
+        self.timing["wall_s"] += time.perf_counter() - start
+        return result
+
+    def idle(self) -> None:
+        """Nothing to step: deliver queued deltas (closes) to the drafts."""
+        if self.pool is not None:
+            self.pool.poll()
+            self.pool.flush(self.step_id)
+
+    def metrics(self) -> dict:
+        steps = max(1, self.counters["num_steps"])
+        spec_steps = max(1, self.counters["num_speculative_steps"])
+        t = dict(self.timing)
+        per_step = {
+            "step_ms": t["wall_s"] / steps * 1e3,
+            "target_forward_ms": t["target_forward_s"] / steps * 1e3,
+            "draft_wait_ms": t["draft_wait_s"] / spec_steps * 1e3,
+            "draft_forward_ms": t["draft_forward_s"] / spec_steps * 1e3,
+            "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec_steps * 1e3,
+            # Wall time not spent in model forwards on the critical path: link, serialization, Python.
+            "overhead_ms": (t["wall_s"] - t["target_forward_s"] - t["prefill_s"] - t["draft_forward_s"]) / steps * 1e3,
+        }
+        out = {**self.totals.to_dict(), **self.counters, "timing": t, "per_step": per_step,
+               "num_running": self.num_running, "num_waiting": len(self.waiting),
+               "speculation": self.controller.state()}
+        if self.pool is not None:
+            out["drafts"] = self.pool.status()
+        return out
+
+
+class EngineLoop:
+    """Runs ``EngineCore.step`` on its own thread; thread-safe ``submit`` / ``abort``."""
+
+    def __init__(self, core: EngineCore, name: str = "specserve-engine"):
+        self.core = core
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self._sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Validate (``ValueError`` in the caller) and queue a request; deltas go to ``sink``."""
+        self.core.validate(prompt_token_ids, params)
+        self._inbox.append(("add", request_id, list(prompt_token_ids), params, sink))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.append(("abort", request_id))
+        self._wake.set()
 
     @property
-    def has_pending_closes(self) -> bool:
-        return bool(self._closes)
+    def num_requests(self) -> int:
+        return len(self._sinks) + sum(1 for m in list(self._inbox) if m[0] == "add")
 
-    def take_closes(self) -> list[CloseSeq]:
-        """Pending closes for the draft when no further step will carry them (idle engine)."""
-        closes, self._closes = self._closes, []
-        return closes
+    def _deliver(self, rid: str, item) -> None:
+        sink = self._sinks.get(rid)
+        if sink is None:
+            return
+        if isinstance(item, Exception) or item.finished:
+            del self._sinks[rid]
+        try:
+            sink(item)
+        except Exception:  # a broken consumer must not stop the loop
+            logger.exception("delivering to request %s failed", rid)
 
-    def step(self, propose) -> list[StepDelta]:
-        """Synchronous step with ``propose(ProposeRequest) -> ProposeReply`` (in-process draft)."""
-        req = self.plan()
-        if req is None:
-            return []
-        reply = propose(req) if self.k > 0 else None
-        return self.finish(reply)
+    def _drain(self) -> None:
+        while self._inbox:
+            msg = self._inbox.popleft()
+            if msg[0] == "add":
+                _, rid, tokens, params, sink = msg
+                if rid in self._sinks:
+                    sink(ValueError(f"request_id {rid!r} is already running"))
+                    continue
+                self._sinks[rid] = sink
+                self.core.add_request(rid, tokens, params)
+            else:
+                rid = msg[1]
+                if self.core.abort(rid):
+                    self.core.counters["num_requests_aborted"] += 1
+                self._sinks.pop(rid, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drain()
+                if not self.core.has_work():
+                    self.core.idle()
+                    self._wake.wait(0.25)
+                    self._wake.clear()
+                    continue
+                result = self.core.step()
+            except Exception as exc:  # a bug: fail the requests it touched loudly, keep serving
+                logger.exception("engine step failed; failing its requests")
+                for rid in list(self.core.target.seqs) + [w[0] for w in self.core.waiting]:
+                    self.core.abort(rid)
+                    self._deliver(rid, RequestFailed(f"engine step failed ({type(exc).__name__})"))
+                continue
+            for rid, exc in result.failed.items():
+                self._deliver(rid, RequestFailed(f"request failed ({type(exc).__name__}: {exc})"))
+            for d in result.deltas:
+                self._deliver(d.request_id, d)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        if self.core.pool is not None:
+            self.core.pool.shutdown()

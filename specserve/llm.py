@@ -1,24 +1,33 @@
 """``LLM``: the offline batch API, shaped like vLLM's (``LLM(...).generate(prompts, params)``).
 
-In-process by default (draft and target in this process, still talking through the
-engine's messages); with ``placement=`` the two sides run as Ray actors on the nodes the
-placement selects (see ``specserve.distributed``). Outputs come back in input order.
+In-process by default: the target and the draft run in this process, on the same engine loop
+and the same messages as the distributed path (the draft behind an in-process endpoint,
+drafting ahead on its own thread). With ``ray=True`` the sides run as Ray actors on the
+nodes the configuration selects (``specserve.distributed``). Outputs come back in input
+order; ``stream`` yields deltas and any number of streams may run at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import queue
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
-from .build import build_draft, build_target, check_draft_compatible
-from .config import EngineConfig, SideConfig
-from .engine import SpecEngine
-from .outputs import RequestOutput
+from .config import SpecserveConfig
+from .outputs import RequestOutput, StepDelta
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
+_UNSET = object()
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{next(_ids)}-{uuid.uuid4().hex[:8]}"
 
 
 def normalize_prompts(prompts, sampling_params, tokenizer) -> tuple[list[str | None], list[list[int]], list[SamplingParams]]:
@@ -56,148 +65,152 @@ def normalize_prompts(prompts, sampling_params, tokenizer) -> tuple[list[str | N
 class LLM:
     """Speculative decoding with a draft proposing and a target verifying, lossless.
 
-    ``draft`` is a model directory/id, ``"ngram"`` (prompt lookup) or ``None``;
-    ``draft=None`` or ``num_speculative_tokens=0`` is plain target-only decoding.
+    ``LLM("demo:target", draft="demo:draft", num_speculative_tokens=4)``: ``draft`` is a model
+    directory/id, ``"ngram"`` (prompt lookup) or ``None`` (target-only). Any configuration
+    field can be given by its flat name (``dtype=``, ``draft_device=``, ``max_num_seqs=``,
+    ``adaptive=``; see ``specserve serve --help``), on top of ``config`` (a
+    ``SpecserveConfig``, a dict, or a YAML/JSON path). ``ray=True`` runs the sides as Ray
+    actors placed by label.
     """
 
-    def __init__(
-        self,
-        target: str,
-        draft: str | None = None,
-        num_speculative_tokens: int = 4,
-        dtype: str = "float32",
-        device: str = "cpu",
-        draft_dtype: str | None = None,
-        draft_device: str | None = None,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        trust_remote_code: bool = False,
-        draft_probs: bool = True,
-        placement=None,
-        **kwargs,
-    ):
-        if kwargs:
-            raise TypeError(f"unexpected arguments to LLM: {sorted(kwargs)}")
-        draft_cfg = None
-        if draft is not None:
-            draft_cfg = SideConfig(draft, dtype=draft_dtype or dtype, device=draft_device or device, trust_remote_code=trust_remote_code)
-        self.config = EngineConfig(
-            target=SideConfig(target, dtype=dtype, device=device, trust_remote_code=trust_remote_code),
-            draft=draft_cfg,
-            num_speculative_tokens=num_speculative_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            draft_probs=draft_probs,
-        )
-        self._start(placement)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, placement=None) -> "LLM":
-        """Build from an ``EngineConfig`` (per-side resources, labels, devices); ``placement``
-        (a ``specserve.distributed.Placement``) runs the sides as Ray actors."""
-        self = cls.__new__(cls)
-        self.config = config
-        self._start(placement)
-        return self
-
-    def _start(self, placement) -> None:
-        if placement is not None:
+    def __init__(self, target: str | None = None, draft=_UNSET, *, config=None, ray: bool = False, **overrides):
+        if target is not None:
+            overrides["target"] = target
+        if draft is not _UNSET:
+            overrides["draft"] = draft
+        self.config = SpecserveConfig.load(config, **overrides)
+        self._engine = None
+        if ray:
             from .distributed.client import RayEngine
 
-            self._engine = RayEngine(self.config, placement)
+            self._engine = RayEngine(self.config)
         else:
             self._engine = LocalEngine(self.config)
         self.tokenizer = self._engine.tokenizer
+
+    @classmethod
+    def from_config(cls, config: "SpecserveConfig | dict | str | Path", ray: bool = False, **overrides) -> "LLM":
+        return cls(config=config, ray=ray, **overrides)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         texts, token_ids, params = normalize_prompts(prompts, sampling_params, self.tokenizer)
         return self._engine.generate(texts, token_ids, params, use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
-        """Async iterator of ``StepDelta`` for one prompt (what the HTTP router uses)."""
-        texts, token_ids, params = normalize_prompts([prompt], sampling_params, self.tokenizer)
-        return self._engine.stream(token_ids[0], params[0], request_id)
+        """Async iterator of ``StepDelta`` for one prompt; cancelling it frees the request on both sides."""
+        _, token_ids, params = normalize_prompts([prompt], sampling_params, self.tokenizer)
+        return self._engine.stream(token_ids[0], params[0], request_id or new_request_id("stream"))
 
     def metrics(self) -> dict:
         return self._engine.metrics()
 
     def shutdown(self) -> None:
-        close = getattr(self._engine, "shutdown", None)
-        if close:
-            close()
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
 
 class LocalEngine:
     """Both sides in this process: the reference deployment and the CPU default."""
 
-    def __init__(self, config: EngineConfig):
-        check_draft_compatible(config)
-        self.config = config
-        self.target = build_target(config)
-        self.tokenizer = self.target.tokenizer
-        self.draft = build_draft(config) if config.speculative else None
-        self.engine = SpecEngine(self.target, config.num_speculative_tokens, config.max_num_seqs, self.draft is not None)
-        from .outputs import SpecMetrics
+    def __init__(self, config: SpecserveConfig):
+        from .adaptive import SpeculationController
+        from .build import build_draft_service, build_target, set_cpu_threads
+        from .engine import EngineCore, EngineLoop
+        from .messages import Hello
+        from .pool import DraftPool
+        from .transport import LocalEndpoint
 
-        self.totals = SpecMetrics()
+        set_cpu_threads(config, in_process=True)
+        self.config = config
+        target = build_target(config)
+        self.tokenizer = target.tokenizer
+        spec = config.speculation
+        controller = SpeculationController(spec.num_speculative_tokens if config.speculative else 0, spec.adaptive)
+        core = EngineCore(target, None, controller, config.engine.max_num_seqs)
+        if config.speculative:
+            service = build_draft_service(config, "draft-local")
+            core.pool = DraftPool(
+                discover=lambda: {"local": service}, connect=lambda name, svc: LocalEndpoint(svc, name),
+                hello=Hello("local", target.vocab_fingerprint()), reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s,
+                max_timeout_s=spec.draft_timeout_s, background=False,
+            )
+            if core.pool.refused:
+                core.pool.shutdown()
+                raise ValueError(f"the draft cannot serve this target: {next(iter(core.pool.refused.values()))}")
+        self.loop = EngineLoop(core)
 
     def generate(self, texts, token_ids, params, use_tqdm=True) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        outputs: dict[str, RequestOutput] = {}
-        order = []
-        for text, ids, p in zip(texts, token_ids, params):
-            rid = f"req-{next(_ids)}"
-            self.engine.add_request(rid, ids, p)  # validates every prompt before any compute
+        for i, (ids, p) in enumerate(zip(token_ids, params)):
+            try:
+                self.loop.core.validate(ids, p)  # every prompt before any compute
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        outputs, order = {}, []
+        for text, ids in zip(texts, token_ids):
+            rid = new_request_id("batch")
             outputs[rid] = RequestOutput(rid, text, ids)
             order.append(rid)
-        propose = self.draft.handle if self.draft is not None else None
-        with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
-            try:
-                while self.engine.has_work():
-                    for delta in self.engine.step(propose):
-                        outputs[delta.request_id].add(delta)
-                        if delta.finished:
-                            bar.update(1)
-            except BaseException:
-                for rid in order:
-                    self._abort(rid)
-                raise
-        self._flush_closes()
-        for out in outputs.values():
-            self.totals.merge(out.metrics)
-        return [outputs[rid] for rid in order]
 
-    def _flush_closes(self) -> None:
-        closes = self.engine.take_closes()
-        if self.draft is not None:
-            for c in closes:
-                self.draft.close(c.request_id)
+        def sink_for(rid):
+            out = outputs[rid]
 
-    def _abort(self, rid: str) -> None:
-        self.engine.abort(rid)
-        if self.draft is not None:
-            self.draft.close(rid)
-
-    async def stream(self, token_ids, params, request_id=None):
-        rid = request_id or f"req-{next(_ids)}"
-        self.engine.add_request(rid, token_ids, params)
-        propose = self.draft.handle if self.draft is not None else None
-        import asyncio
+            def sink(item):
+                if isinstance(item, Exception):
+                    done.put((rid, item))
+                    return
+                out.add(item)
+                if item.finished:
+                    done.put((rid, None))
+            return sink
 
         try:
-            while True:
-                finished = False
-                for delta in self.engine.step(propose):
-                    if delta.request_id == rid:
-                        yield delta
-                        finished = delta.finished
-                if finished or not self.engine.has_work():
-                    return
-                await asyncio.sleep(0)
+            for rid, ids, p in zip(order, token_ids, params):
+                self.loop.submit(rid, ids, p, sink_for(rid))
+            with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
+                for _ in order:
+                    rid, err = done.get()
+                    if err is not None:
+                        raise err
+                    bar.update(1)
+        except BaseException:
+            for rid in order:
+                if not outputs[rid].finished:
+                    self.loop.abort(rid)
+            raise
+        return [outputs[rid] for rid in order]
+
+    async def stream(self, token_ids, params, request_id):
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        self.loop.submit(request_id, token_ids, params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
         finally:
-            self._abort(rid)
-            self._flush_closes()
+            if not finished:
+                self.loop.abort(request_id)
 
     def metrics(self) -> dict:
-        return self.totals.to_dict()
+        return self.loop.core.metrics()
+
+    def shutdown(self) -> None:
+        self.loop.shutdown()
+
+
+__all__ = ["LLM", "LocalEngine", "normalize_prompts", "StepDelta"]

@@ -1,11 +1,17 @@
 """Wire messages between the target side and the draft side, msgpack-encoded, no pickle.
 
-One frozen dataclass per message. Per step the target sends one ``ProposeRequest``
-(sequences to open, verify results since the last step as KV-cache deltas, sequences to
-close) and the draft answers one ``ProposeReply`` (a ``DraftBlock`` per live sequence).
-Messages carry changes, never whole sequences: a ``VerifyResult`` says "keep the first
-``base_len`` tokens, of your drafts ``num_accepted`` survived, append ``token_ids``".
-Every payload carries ``PROTOCOL_VERSION``; bad bytes raise ``ProtocolError``.
+One frozen dataclass per message. A target opens a connection with ``Hello`` (its
+vocabulary fingerprint) and gets ``HelloReply`` (the draft's, or a refusal). Per step it
+sends one ``ProposeRequest`` (sequences to open, verify results since the last request as
+KV-cache deltas, sequences to close, and how many draft tokens each wanted sequence should
+get) and the draft answers one ``ProposeReply`` (a ``DraftBlock`` per wanted sequence,
+plus timing the target's cost model uses). Messages carry changes, never whole sequences:
+a ``VerifyResult`` says "keep the first ``base_len`` tokens, of your drafts
+``num_accepted`` survived, append ``token_ids``". How payloads travel (bytes over a socket,
+tensors over a collective group) is the channel's business, not these types'.
+
+``encode`` cannot fail for a message whose ints fit 64 bits (the edge validates that);
+``decode`` turns every malformed input into ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -15,11 +21,25 @@ from dataclasses import dataclass, field, fields
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(ValueError):
     """Bytes that are not a valid specserve message (malformed, unknown type or version)."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    target_id: str
+    vocab: dict  # models.vocab_fingerprint of the target
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    draft_id: str
+    vocab: dict | None = None  # the draft's fingerprint (None when it refused)
+    error: str | None = None  # why the draft refused the connection
+    info: dict = field(default_factory=dict)  # node id, pid, backend: for logs and /health
 
 
 @dataclass(frozen=True)
@@ -29,51 +49,65 @@ class OpenSeq:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int | None = None
+    seed: int = 0  # always set: the target draws one for requests without a seed
 
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """KV-cache delta for one sequence after one verification."""
+    """KV-cache delta for one sequence after one or more verifications."""
 
     request_id: str
-    step: int
-    base_len: int  # committed length the draft block was built on
-    num_accepted: int  # draft tokens kept; stale KV starts at base_len + num_accepted
-    token_ids: list[int]  # [num_appended]: tokens appended after base_len (accepted + recovered/bonus)
-
-    @property
-    def rollback_to(self) -> int:
-        return self.base_len + self.num_accepted
+    base_len: int  # committed length the draft's last block was built on
+    num_accepted: int  # of that block's drafts kept; the draft's KV is valid up to base_len + num_accepted
+    token_ids: list[int]  # [num_appended]: tokens committed after base_len
 
     @property
     def committed_len(self) -> int:
         return self.base_len + len(self.token_ids)
 
+    def then(self, later: "VerifyResult") -> "VerifyResult":
+        """Coalesce with the next result of the same sequence (the draft drafted nothing in between)."""
+        assert later.base_len == self.committed_len and later.num_accepted == 0
+        return VerifyResult(self.request_id, self.base_len, self.num_accepted, self.token_ids + later.token_ids)
+
 
 @dataclass(frozen=True)
 class CloseSeq:
     request_id: str
-    reason: str = "finished"  # finished | aborted
-
-
-@dataclass(frozen=True)
-class DraftBlock:
-    request_id: str
-    step: int
-    base_len: int  # committed length the drafts continue
-    draft_token_ids: list[int]  # [k]
-    draft_probs: np.ndarray | None = None  # [k, vocab] float32, or None: point mass (greedy / n-gram)
 
 
 @dataclass(frozen=True)
 class ProposeRequest:
     step: int
-    num_speculative_tokens: int
     opens: list[OpenSeq] = field(default_factory=list)
     results: list[VerifyResult] = field(default_factory=list)
     closes: list[CloseSeq] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)  # sequences that need a block this step
+    request_ids: list[str] = field(default_factory=list)  # sequences that need a block now
+    num_draft_tokens: list[int] = field(default_factory=list)  # [len(request_ids)]: k per sequence
+
+    def __post_init__(self) -> None:
+        if len(self.request_ids) != len(self.num_draft_tokens):
+            raise ValueError(f"{len(self.request_ids)} request_ids but {len(self.num_draft_tokens)} num_draft_tokens")
+        if any(not 0 <= k <= 64 for k in self.num_draft_tokens):
+            raise ValueError("num_draft_tokens must be in [0, 64]")
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    request_id: str
+    base_len: int  # committed length the drafts continue
+    draft_token_ids: list[int]  # [num_draft_tokens]
+    draft_probs: np.ndarray | None = None  # [num_draft_tokens, vocab] float32, or None: point mass
+    cache_hit: bool = False  # answered from the speculation cache (no drafting on the critical path)
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    compute_s: float = 0.0  # draft time spent answering this request (on the critical path)
+    forward_s: float = 0.0  # of which model forwards
+    num_forwards: int = 0  # draft forwards on the critical path
+    hidden_s: float = 0.0  # drafting time the speculation cache took off the critical path
+    draft_step_s: float = 0.0  # the draft's running estimate of one batched decode forward
 
 
 @dataclass(frozen=True)
@@ -81,12 +115,37 @@ class ProposeReply:
     step: int
     blocks: list[DraftBlock] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # request ids the draft does not know (resync them)
-    # Collective channel only: rows of draft_probs per block sent as one tensor outside this message.
-    tensor_rows: list[int] = field(default_factory=list)
+    stats: DraftStats = field(default_factory=DraftStats)
 
 
-MESSAGE_TYPES = {cls.__name__: cls for cls in (OpenSeq, VerifyResult, CloseSeq, DraftBlock, ProposeRequest, ProposeReply)}
-_NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock}
+# -- codec ------------------------------------------------------------------------------------
+_INT64 = (-(2**63), 2**64 - 1)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": _is_int,
+    "float": _is_num,
+    "bool": lambda v: isinstance(v, bool),
+    "dict": lambda v: isinstance(v, dict),
+    "dict | None": lambda v: v is None or isinstance(v, dict),
+    "str | None": lambda v: v is None or isinstance(v, str),
+    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+}
+_NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock, "stats": DraftStats}
+MESSAGE_TYPES = {
+    cls.__name__: cls
+    for cls in (Hello, HelloReply, OpenSeq, VerifyResult, CloseSeq, ProposeRequest, DraftBlock, DraftStats, ProposeReply)
+}
 
 
 def _to_wire(msg) -> dict:
@@ -94,33 +153,50 @@ def _to_wire(msg) -> dict:
     for f in fields(msg):
         value = getattr(msg, f.name)
         if f.name in _NESTED:
-            value = [_to_wire(v) for v in value]
+            value = _to_wire(value) if f.name == "stats" else [_to_wire(v) for v in value]
         elif isinstance(value, np.ndarray):
             value = {"dtype": value.dtype.str, "shape": list(value.shape), "data": value.tobytes()}
         body[f.name] = value
     return body
 
 
-def _from_wire(cls, body: dict):
+def _array(value) -> np.ndarray:
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+        raise ProtocolError("bad draft_probs: expected a map with dtype, shape and data")
+    try:
+        dtype = np.dtype(value["dtype"])
+        if dtype.kind != "f" or not isinstance(value["data"], bytes):
+            raise TypeError("not a float array")
+        return np.frombuffer(value["data"], dtype=dtype).reshape(value["shape"])
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad draft_probs array: {exc}") from None
+
+
+def _from_wire(cls, body):
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__} body must be a map, got {type(body).__name__}")
-    names = {f.name for f in fields(cls)}
-    unknown = set(body) - names
+    declared = {f.name: f for f in fields(cls)}
+    unknown = [k for k in body if k not in declared]
     if unknown:
-        raise ProtocolError(f"{cls.__name__} has unknown fields {sorted(unknown)}")
+        raise ProtocolError(f"{cls.__name__} has unknown fields {sorted(map(str, unknown))}")
     kwargs = {}
     for name, value in body.items():
+        kind = declared[name].type
         if name in _NESTED:
-            value = [_from_wire(_NESTED[name], v) for v in value]
-        elif name == "draft_probs" and value is not None:
-            try:
-                value = np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(f"bad draft_probs array: {exc}") from None
+            if name == "stats":
+                value = _from_wire(DraftStats, value)
+            elif isinstance(value, list):
+                value = [_from_wire(_NESTED[name], v) for v in value]
+            else:
+                raise ProtocolError(f"{cls.__name__}.{name} must be a list")
+        elif name == "draft_probs":
+            value = None if value is None else _array(value)
+        elif kind in _CHECKS and not _CHECKS[kind](value):
+            raise ProtocolError(f"{cls.__name__}.{name} must be {kind}, got {type(value).__name__}")
         kwargs[name] = value
     try:
         return cls(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # missing fields, or a cross-field check in __post_init__
         raise ProtocolError(f"bad {cls.__name__}: {exc}") from None
 
 
@@ -132,15 +208,17 @@ def encode(msg) -> bytes:
 
 
 def decode(data: bytes):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
     try:
-        envelope = msgpack.unpackb(data, raw=False)
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"malformed message bytes: {exc}") from None
-    if not isinstance(envelope, dict) or not {"v", "type", "body"} <= set(envelope):
-        raise ProtocolError("malformed message: expected a map with 'v', 'type' and 'body'")
-    if envelope["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"malformed message bytes: {type(exc).__name__}") from None
+    if not isinstance(envelope, dict) or set(envelope) != {"v", "type", "body"}:
+        raise ProtocolError("malformed message: expected a map with exactly 'v', 'type' and 'body'")
+    if envelope["v"] != PROTOCOL_VERSION or isinstance(envelope["v"], bool):
         raise ProtocolError(f"unsupported protocol version {envelope['v']!r} (this side speaks {PROTOCOL_VERSION})")
-    cls = MESSAGE_TYPES.get(envelope["type"])
+    cls = MESSAGE_TYPES.get(envelope["type"]) if isinstance(envelope["type"], str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {envelope['type']!r}")
     return _from_wire(cls, envelope["body"])

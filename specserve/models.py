@@ -64,11 +64,14 @@ def vocab_fingerprint(tokenizer, vocab_size: int) -> dict:
     return {"tokenizer_sha": digest, "num_tokens": len(vocab), "vocab_size": vocab_size}
 
 
-def check_vocab_compatible(target: dict, draft: dict) -> None:
+def check_vocab_compatible(target: dict, draft: dict | None) -> None:
     """Raise ``ValueError`` unless draft token ids mean the same tokens as the target's.
 
-    ``target`` and ``draft`` are ``vocab_fingerprint`` dicts.
+    ``target`` and ``draft`` are ``vocab_fingerprint`` dicts; ``draft=None`` is a drafter
+    without a vocabulary of its own (ngram copies ids from the context).
     """
+    if draft is None:
+        return
     if target["tokenizer_sha"] and draft["tokenizer_sha"]:
         if target["tokenizer_sha"] != draft["tokenizer_sha"]:
             raise ValueError(

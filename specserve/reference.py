@@ -1,8 +1,11 @@
 """Single-process reference decoding: the oracle every other path is compared against.
 
 Plain torch over transformers models, no KV cache, no batching, no messages: each step
-runs the draft and the target on the whole sequence, then the same verifier functions.
-Slow and obviously correct. ``num_speculative_tokens=0`` (or no draft) is target-only.
+runs the draft and the target on the whole sequence, then the same verifier. Draws are
+keyed by (seed, token position) exactly as in the engine, so for a given seed the engine's
+output must equal this one token for token, greedy or sampled, whatever the batch, the
+speculation cache or the channel. Slow and obviously correct. ``num_speculative_tokens=0``
+(or no draft) is target-only decoding.
 """
 
 from __future__ import annotations
@@ -10,28 +13,31 @@ from __future__ import annotations
 import torch
 
 from .ngram import ngram_propose
-from .sampling import make_generator, processed_probs, sample
+from .rng import DRAFT_SAMPLE, uniforms
+from .sampling import processed_probs, sample_with_uniforms
 from .sampling_params import SamplingParams
-from .verifier import verify_greedy, verify_sampled
+from .verifier import SamplingBatch, verify
 
 
 @torch.no_grad()
-def _last_logits(model, token_ids: list[int]) -> torch.Tensor:  # [vocab]
-    return model(torch.tensor([token_ids], device=model.device)).logits[0, -1]
+def _logits(model, token_ids: list[int]) -> torch.Tensor:  # [len(token_ids), vocab]
+    return model(torch.tensor([token_ids], device=model.device)).logits[0]
 
 
 @torch.no_grad()
 def reference_generate(
     target, prompt_token_ids: list[int], params: SamplingParams, draft=None, num_speculative_tokens: int = 0,
-    eos_token_ids: set[int] = frozenset(),
+    eos_token_ids: set[int] = frozenset(), draft_probs: bool = True,
 ) -> list[int]:
     """Generated token ids (stops: max_tokens, EOS unless ignore_eos, stop_token_ids).
 
-    ``draft`` is a transformers model, ``"ngram"`` or ``None``.
+    ``draft`` is a transformers model, ``"ngram"`` or ``None``; ``params.seed`` must be set
+    for sampled requests (the engine draws one when a request has none).
     """
     k = num_speculative_tokens if draft is not None else 0
-    g_target = None if params.greedy else make_generator(params.seed, target.device)
-    g_draft = None if params.greedy or params.seed is None else make_generator(params.seed + 0x5EED, target.device)
+    assert params.greedy or params.seed is not None, "sampled reference runs need a seed"
+    seed = params.seed or 0
+    sampled_draft = not params.greedy and draft_probs
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
     tokens, out = list(prompt_token_ids), []
     while True:
@@ -40,24 +46,29 @@ def reference_generate(
         if room > 0 and draft == "ngram":
             drafts = ngram_propose(tokens, room)
         elif room > 0:
-            ctx = list(tokens)
             for _ in range(room):
-                logits = _last_logits(draft, ctx)[: target.config.vocab_size]
-                if params.greedy:
-                    d = int(logits.argmax())
+                logits = _logits(draft, tokens + drafts)[-1:]
+                if not sampled_draft:
+                    d = int(logits[0].argmax())
                 else:
-                    q = processed_probs(logits[None], params.temperature, params.top_k, params.top_p)[0]
-                    d = sample(q, g_draft)
-                    qs.append(q)
+                    q = processed_probs(logits, params.temperature, params.top_k, params.top_p)
+                    u = uniforms([seed], DRAFT_SAMPLE, [len(tokens) + len(drafts)])
+                    d = int(sample_with_uniforms(q, u)[0])
+                    qs.append(q[0])
                 drafts.append(d)
-                ctx.append(d)
-        logits = target(torch.tensor([tokens + drafts], device=target.device)).logits[0, len(tokens) - 1 :]
-        if params.greedy:
-            verdict = verify_greedy(logits, drafts)
-        else:
-            probs = processed_probs(logits, params.temperature, params.top_k, params.top_p)
-            verdict = verify_sampled(probs, drafts, torch.stack(qs) if qs else None, g_target)
-        for t in verdict.token_ids:
+        logits = _logits(target, tokens + drafts)[len(tokens) - 1 :]
+        vocab = logits.shape[-1]
+        probs = None
+        if qs:
+            probs = torch.zeros(1, len(drafts), vocab, dtype=logits.dtype)
+            for i, q in enumerate(qs):
+                probs[0, i, : min(vocab, q.shape[0])] = q[:vocab]
+        sampling = SamplingBatch([params.temperature], [params.top_k], [params.top_p], [seed], [len(tokens)])
+        num_accepted, nxt = verify(
+            logits[None], torch.tensor([drafts], dtype=torch.long).reshape(1, len(drafts)), torch.tensor([len(drafts)]),
+            sampling, probs, torch.tensor([True]) if probs is not None else None,
+        )
+        for t in drafts[: int(num_accepted)] + [int(nxt)]:
             out.append(t)
             tokens.append(t)
             if t in stop_ids or len(out) >= params.max_tokens:

@@ -1,15 +1,17 @@
-"""The target side: owns every sequence's committed tokens and verifies draft blocks.
+"""The target side: owns every sequence's committed tokens and verifies draft blocks, batched.
 
-Data flow per step: ``open`` prefills new prompts (all but the last token, which the
-first verification feeds); ``verify(blocks)`` feeds ``[last committed token] + drafts``
-for every live sequence in one batched forward, runs the verifier per row, cuts the
-result at any stop, commits it and rolls the KV cache back to ``len(tokens) - 1``
-(invariant: the cache holds every committed token but the last). Knows nothing of Ray.
+Data flow per step: ``open`` prefills new prompts (all but the last token, which the first
+verification feeds); ``verify(blocks)`` feeds ``[last committed token] + drafts`` for every
+live sequence in one forward, runs the batched verifier over all rows at once, then per row
+cuts the result at any stop, commits it and rolls the KV back to ``len(tokens) - 1``
+(invariant: the cache holds every committed token but the last). A row that fails while
+being committed fails alone. Knows nothing of drafts' origin, channels or Ray.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +20,9 @@ from .backends.base import ModelBackend
 from .messages import DraftBlock, VerifyResult
 from .models import vocab_fingerprint
 from .outputs import StepDelta
-from .sampling import make_generator, processed_probs
 from .sampling_params import SamplingParams
 from .stopping import StopChecker
-from .verifier import verify_greedy, verify_sampled
+from .verifier import SamplingBatch, verify
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class TargetSeq:
     token_ids: list[int]  # prompt + committed output
     params: SamplingParams
     stopper: StopChecker
-    generator: torch.Generator | None
+    seed: int  # the request's seed, or one drawn at admission
 
 
 class TargetSide:
@@ -41,10 +42,15 @@ class TargetSide:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids or ())
         self.seqs: dict[str, TargetSeq] = {}
+        self.forward_s = 0.0  # time in verify forwards, for the engine's step breakdown
 
     @property
     def max_model_len(self) -> int:
         return self.backend.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.vocab_size
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ``ValueError`` for a prompt this target cannot run."""
@@ -55,9 +61,9 @@ class TargetSide:
                 f"prompt has {len(prompt_token_ids)} tokens, but the target's context (max_model_len) is "
                 f"{self.max_model_len}: it must be shorter to leave room for one generated token"
             )
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.backend.vocab_size)]
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.backend.vocab_size}), got {bad[:5]}")
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything ``open`` would reject, checked up front (at submission)."""
@@ -65,19 +71,22 @@ class TargetSide:
         StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
 
     def vocab_fingerprint(self) -> dict:
-        return vocab_fingerprint(self.tokenizer, self.backend.vocab_size)
+        return vocab_fingerprint(self.tokenizer, self.vocab_size)
 
-    def open(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
-        """Admit sequences and prefill their prompts in one batched forward."""
-        for rid, prompt, params in requests:
-            self.check_prompt(prompt)
+    def open(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> None:
+        """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward."""
+        for rid, prompt, params, seed in requests:
             stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt), self.max_model_len)
-            generator = None if params.greedy else make_generator(params.seed, self.backend.device)
-            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, generator)
+            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed)
             self.backend.add(rid)
-        prefill = [(rid, prompt[:-1]) for rid, prompt, _ in requests if len(prompt) > 1]
+        prefill = [(rid, prompt[:-1]) for rid, prompt, _, _ in requests if len(prompt) > 1]
         if prefill:
-            self.backend.forward([r for r, _ in prefill], [t for _, t in prefill], [1] * len(prefill))
+            try:
+                self.backend.forward([r for r, _ in prefill], [t for _, t in prefill], [1] * len(prefill))
+            except BaseException:
+                for rid, _, _, _ in requests:
+                    self.close(rid)
+                raise
 
     def close(self, request_id: str) -> None:
         if self.seqs.pop(request_id, None) is not None:
@@ -89,48 +98,75 @@ class TargetSide:
         return max(0, min(remaining, self.max_model_len - len(seq.token_ids)))
 
     def verify(
-        self, step: int, blocks: dict[str, DraftBlock], fallback: bool = False
-    ) -> tuple[list[StepDelta], list[VerifyResult]]:
-        """Verify one block per live sequence (missing or stale blocks mean no drafts)."""
-        seqs = list(self.seqs.values())
+        self, blocks: dict[str, DraftBlock], fallback: set[str] = frozenset(), only: list[str] | None = None
+    ) -> tuple[list[StepDelta], list[VerifyResult], dict[str, Exception]]:
+        """Verify one block per live sequence (missing or stale blocks mean no drafts).
+
+        ``fallback``: sequences decoded target-only because their draft failed (flagged in
+        their deltas); ``only``: verify these sequences only. Returns per-sequence deltas and
+        verify results, and the sequences that failed (closed).
+        """
+        seqs = list(self.seqs.values()) if only is None else [self.seqs[r] for r in only]
         if not seqs:
-            return [], []
+            return [], [], {}
         drafts: list[list[int]] = []
-        draft_probs: list[torch.Tensor | None] = []
+        probs: list[torch.Tensor | None] = []
         for s in seqs:
             b = blocks.get(s.request_id)
             ok = b is not None and b.base_len == len(s.token_ids)
             n = min(len(b.draft_token_ids), self.room(s)) if ok else 0
             drafts.append(list(b.draft_token_ids[:n]) if n else [])
-            p = b.draft_probs if ok and n and b.draft_probs is not None else None
-            draft_probs.append(None if p is None else torch.as_tensor(p[:n] if isinstance(p, torch.Tensor) else p[:n].copy()).to(self.backend.device))
+            probs.append(torch.as_tensor(b.draft_probs[:n]) if n and b.draft_probs is not None and not s.params.greedy else None)
+        start = time.perf_counter()
         logits = self.backend.forward(
-            [s.request_id for s in seqs],
-            [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)],
-            [len(d) + 1 for d in drafts],
+            [s.request_id for s in seqs], [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], [len(d) + 1 for d in drafts]
+        )  # [batch_size, width, vocab], right-aligned
+        self.forward_s += time.perf_counter() - start
+        batch_size, width, vocab = logits.shape
+        k = width - 1
+        device = logits.device
+        num_draft = torch.tensor([len(d) for d in drafts], device=device)
+        # Left-align each row's k_i + 1 logits (padding repeats the last one; the verifier ignores it).
+        cols = torch.arange(width, device=device)[None, :]
+        index = (width - 1 - num_draft)[:, None] + torch.minimum(cols, num_draft[:, None])
+        logits = logits.gather(1, index[..., None].expand(batch_size, width, vocab))
+        draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=device).reshape(batch_size, k)
+        draft_probs = has_probs = None
+        if any(p is not None for p in probs):
+            draft_probs = torch.zeros(batch_size, k, vocab, dtype=logits.dtype, device=device)
+            for row, p in enumerate(probs):
+                if p is not None:
+                    draft_probs[row, : p.shape[0], : min(vocab, p.shape[1])] = p[:, :vocab].to(device)
+            has_probs = torch.tensor([p is not None for p in probs], device=device)
+        sampling = SamplingBatch(
+            [s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs],
+            [s.seed for s in seqs], [len(s.token_ids) for s in seqs],
         )
-        deltas, results = [], []
-        for row, (s, d, q) in enumerate(zip(seqs, drafts, draft_probs)):
-            k = len(d)
-            row_logits = logits[row, logits.shape[1] - (k + 1) :]  # right-aligned: [k + 1, vocab]
-            if s.params.greedy:
-                verdict = verify_greedy(row_logits, d)
-            else:
-                probs = processed_probs(row_logits, s.params.temperature, s.params.top_k, s.params.top_p)
-                verdict = verify_sampled(probs, d, q, s.generator)
-            base_len = len(s.token_ids)
-            kept = s.stopper.append(verdict.token_ids)
-            s.token_ids.extend(kept)
-            self.backend.truncate(s.request_id, len(s.token_ids) - 1)
-            finished = s.stopper.finish_reason is not None
-            deltas.append(
-                StepDelta(
-                    s.request_id, kept, s.stopper.text_delta(), finished, s.stopper.finish_reason,
-                    s.stopper.stop_reason, k, verdict.num_accepted, fallback,
-                )
-            )
-            results.append(VerifyResult(s.request_id, step, base_len, min(verdict.num_accepted, len(kept)), kept))
-        return deltas, results
+        num_accepted, next_token_ids = verify(logits, draft_ids, num_draft, sampling, draft_probs, has_probs)
+        # .tolist(): committing and stop checks run per sequence on the host.
+        num_accepted, next_token_ids = num_accepted.tolist(), next_token_ids.tolist()
+        deltas, results, failed = [], [], {}
+        for s, d, a, nxt in zip(seqs, drafts, num_accepted, next_token_ids):
+            try:
+                deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback)
+            except Exception as exc:  # one sequence's failure is its own
+                logger.exception("request %s failed while committing its tokens", s.request_id)
+                self.close(s.request_id)
+                failed[s.request_id] = exc
+                continue
+            deltas.append(deltas_result[0])
+            results.append(deltas_result[1])
+        return deltas, results, failed
+
+    def _commit(self, s: TargetSeq, drafts: list[int], num_accepted: int, next_token: int, fallback: bool):
+        base_len = len(s.token_ids)
+        kept = s.stopper.append(drafts[:num_accepted] + [next_token])
+        s.token_ids.extend(kept)
+        self.backend.truncate(s.request_id, len(s.token_ids) - 1)
+        finished = s.stopper.finish_reason is not None
+        delta = StepDelta(s.request_id, kept, s.stopper.text_delta(), finished, s.stopper.finish_reason,
+                          s.stopper.stop_reason, len(drafts), num_accepted, fallback)
+        return delta, VerifyResult(s.request_id, base_len, min(num_accepted, len(kept)), kept)
 
     @property
     def num_seqs(self) -> int:

@@ -1,8 +1,13 @@
 """transformers backend: any ``AutoModelForCausalLM`` loaded with ``from_pretrained``.
 
-Data flow: token lists are left-padded into one ``[batch_size, width]`` block; real tokens
-are written at each sequence's committed length in a ``SlotKVCache``, padding goes to stale
-slots past them, so the last ``num_logits`` positions of every row are real tokens.
+Data flow: ``forward`` left-pads token lists into one ``[batch_size, width]`` block; real
+tokens are written at each sequence's committed length in a ``SlotKVCache`` and padding
+goes to stale slots past them, so the last ``num_logits`` positions of every row are real.
+``forward_branches`` runs one depth of per-sequence branch trees (the draft's speculation
+cache) in scratch slots past the committed length: lane ``b`` of a row sees the row's
+first ``prefix_len[b]`` cached tokens and its own lane, nothing else. Scratch is never
+committed. The mask is built here, by slot, so any architecture that accepts a 4-D
+additive mask and explicit position ids works (Llama, Qwen2, GPT-2, GPT-NeoX are tested).
 """
 
 from __future__ import annotations
@@ -64,16 +69,21 @@ class HFBackend:
         self.model.eval()
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        config = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        limit = model_max_len(config)
+        limit = model_max_len(self.model.config)
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
         self.max_model_len = max_model_len or limit
         self.cache = SlotKVCache()
         self._row: dict[str, int] = {}  # seq_id -> pool row; live rows are 0..n-1
         self._seq_at_row: list[str] = []
-        self._length: list[int] = []  # committed length per row
+        self._length: list[int] = []  # committed (cached) length per row
+
+    @classmethod
+    def from_side(cls, side, max_model_len: int | None = None) -> "HFBackend":
+        """Build from a ``config.SideConfig``; ``backend_options`` pass through as keyword arguments."""
+        return cls(side.model, dtype=side.dtype, device=side.device, device_map=side.device_map,
+                   trust_remote_code=side.trust_remote_code, max_model_len=max_model_len, **side.backend_options)
 
     # -- sequence bookkeeping -------------------------------------------------------------
     def add(self, seq_id: str) -> None:
@@ -127,23 +137,69 @@ class HFBackend:
             position_ids.append([0] * pad + list(range(start, start + n)))
             # Padding writes to stale slots after the real tokens, where no real query looks.
             slots.append(list(range(start + n, start + n + pad)) + list(range(start, start + n)))
-            self._length[self._row[seq_ids[i]]] = start + n
         dev = self.device
-        allowed = self.cache.prepare(
-            torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
-        )  # [batch_size, 1, width, kv_len]
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        keep = max(num_logits)
-        out = self.model(
-            input_ids=torch.tensor(input_ids, device=dev),
-            position_ids=torch.tensor(position_ids, device=dev),
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        logits = out.logits[:, -keep:].float() if self.dtype != torch.float64 else out.logits[:, -keep:]
+        slot_t = torch.tensor(slots, device=dev)
+        zeros = torch.zeros_like(slot_t)
+        max_slot = max(self._length[r] for r in rows) + width - 1  # every row's slots end at start + width - 1
+        logits = self._run(rows, input_ids, position_ids, slot_t, slot_t + 1, zeros, zeros, zeros, max(num_logits), max_slot)
+        for pos, i in enumerate(order):  # commit only after the forward succeeded
+            self._length[rows[pos]] += len(token_ids[i])
         inverse = [0] * len(order)
         for pos, i in enumerate(order):
             inverse[i] = pos
         return logits[inverse]
+
+    @torch.no_grad()
+    def forward_branches(
+        self,
+        seq_ids: list[str],
+        token_ids: list[list[int]],  # [batch_size][num_branches_i]: this depth's token of each branch
+        prefix_lens: list[list[int]],  # [batch_size][num_branches_i]: cached tokens each branch continues (<= committed)
+        depth: int,  # 0 for the branch roots, then 1, 2, ...
+        num_lanes: int,  # >= every num_branches_i, the same at every depth of one tree
+    ) -> torch.Tensor:  # [batch_size, num_lanes, vocab] float32 (rows past num_branches_i are padding)
+        """One depth of each sequence's branch tree; see the module docstring. Commits nothing."""
+        rows = [self._row[s] for s in seq_ids]
+        input_ids, position_ids, slots, prefix, lane_start = [], [], [], [], []
+        for row, toks, lens in zip(rows, token_ids, prefix_lens):
+            committed = self._length[row]
+            assert len(toks) == len(lens) <= num_lanes and all(0 < p <= committed for p in lens)
+            pad = num_lanes - len(toks)
+            input_ids.append(list(toks) + [0] * pad)
+            pos = [p + depth for p in lens] + [committed] * pad
+            if max(pos) >= self.max_model_len:
+                raise ValueError(f"branch of {seq_ids[rows.index(row)]!r} would pass max_model_len={self.max_model_len}")
+            position_ids.append(pos)
+            base = committed + depth * num_lanes
+            slots.append([base + b for b in range(num_lanes)])
+            prefix.append(list(lens) + [1] * pad)  # padding lanes see one real slot: never an all-masked row
+            lane_start.append([committed + b for b in range(num_lanes)])
+        dev = self.device
+        slot_t = torch.tensor(slots, device=dev)
+        stride = torch.full_like(slot_t, num_lanes)
+        return self._run(rows, input_ids, position_ids, slot_t, torch.tensor(prefix, device=dev),
+                         torch.tensor(lane_start, device=dev), stride, slot_t, num_lanes, max(s[-1] for s in slots))
+
+    def _run(self, rows, input_ids, position_ids, slots, prefix_len, lane_start, lane_stride, lane_end, keep, max_slot):
+        """One model call. Query q of row r may see slot s when s < prefix_len[r, q], or when
+        s is on its lane: lane_start <= s <= lane_end and (s - lane_start) % lane_stride == 0."""
+        dev = self.device
+        kv_len = self.cache.prepare(torch.tensor(rows, device=dev), slots, rows, max_slot)
+        s = torch.arange(kv_len, device=dev)[None, None, :]
+        allowed = s < prefix_len[..., None]
+        lanes = lane_stride > 0
+        if bool(lanes.any()):  # .any(): branch trees only
+            off = s - lane_start[..., None]
+            on_lane = (off >= 0) & (s <= lane_end[..., None]) & (off % lane_stride.clamp_min(1)[..., None] == 0)
+            allowed |= on_lane & lanes[..., None]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        out = self.model(
+            input_ids=torch.tensor(input_ids, device=dev),
+            position_ids=torch.tensor(position_ids, device=dev),
+            attention_mask=mask[:, None],  # [batch_size, 1, width, kv_len]
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        logits = out.logits[:, -keep:]
+        return logits if logits.dtype == torch.float64 else logits.float()

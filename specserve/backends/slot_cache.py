@@ -3,8 +3,8 @@
 ``DynamicCache`` and ``StaticCache`` write one position for the whole batch, but after a
 verification every sequence has accepted a different number of tokens. Here each live
 sequence owns a row of a preallocated ``[rows, heads, capacity, head_dim]`` pool; a forward
-scatters the new keys/values at per-row slots and attends through a 4-D mask that lets a
-query at slot ``s`` see slots ``<= s`` of its own row. Rolling back is moving a length
+scatters the new keys/values at per-row slots and attends through a 4-D mask the backend
+builds (causal by slot, or a branch tree in scratch slots past the committed length). Rolling back is moving a length
 (stale slots are overwritten later), never copying. Knows nothing of drafting.
 """
 
@@ -97,16 +97,16 @@ class SlotKVCache(Cache):
         self,
         rows: torch.Tensor,  # [batch_size] long: pool row of each sequence
         slots: torch.Tensor,  # [batch_size, width] long: slot each new token is written to
-    ) -> torch.Tensor:  # [batch_size, 1, width, kv_len] bool: True where a query may attend
+        row_list: list[int],  # rows, on the host
+        max_slot: int,  # slots.max(), on the host
+    ) -> int:  # kv_len: the attention window (slots 0..kv_len-1 of each row)
+        """Set where the next forward writes; the caller builds the attention mask."""
         self.rows, self.slots = rows, slots
-        # .tolist()/.item(): shapes of the attention window are decided on the host.
-        self.kv_len = int(slots.max().item()) + 1
-        self.ensure(int(rows.max().item()) + 1, self.kv_len)
-        row_list = rows.tolist()
+        self.kv_len = max_slot + 1
+        self.ensure(max(row_list) + 1, self.kv_len)
         is_range = row_list == list(range(row_list[0], row_list[0] + len(row_list)))
         self.contiguous = (row_list[0], row_list[0] + len(row_list)) if is_range else None
-        key_slots = torch.arange(self.kv_len, device=slots.device)
-        return key_slots[None, None, None, :] <= slots[:, None, :, None]
+        return self.kv_len
 
     def copy_row(self, src: int, dst: int, length: int) -> None:
         for layer in self.layers:

@@ -1,0 +1,113 @@
+"""A draft endpoint independent of how requests reach it: one lock, answer first, prepare after.
+
+Data flow: a transport (an in-process call, the TCP server, a Ray actor method) hands each
+connection's ``Hello`` to ``hello`` (vocabulary check by fingerprint: the draft refuses a
+target whose token ids mean other tokens) and each ``ProposeRequest`` to ``handle``, which
+answers under the compute lock; once the reply has left, the transport calls ``prepare``,
+which drafts ahead and stops the moment another request is waiting. One ``DraftSide`` per
+connection, all sharing one drafter (one model, one KV pool): several targets can share one
+draft. Knows nothing of sockets or Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .draft import DraftSide, Drafter
+from .messages import Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError
+from .models import check_vocab_compatible
+
+logger = logging.getLogger(__name__)
+
+
+class DraftService:
+    def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None):
+        self.drafter = drafter
+        self.fingerprint = fingerprint
+        self.draft_id = draft_id
+        self.info = dict(info or {})
+        self.lock = threading.Lock()
+        self._waiting = 0  # requests queued for the lock: prepare() yields to them
+        self._waiting_lock = threading.Lock()
+        self.sides: dict[str, DraftSide] = {}
+        self.counters = {"num_requests": 0, "num_blocks": 0, "num_cache_hits": 0, "num_cache_misses": 0,
+                         "draft_time_hidden_s": 0.0, "compute_s": 0.0, "prepare_s": 0.0, "num_connections": 0}
+        self.last_reply_at = 0.0
+
+    def hello(self, conn: str, msg: Hello) -> HelloReply:
+        try:
+            check_vocab_compatible(msg.vocab, self.fingerprint)
+        except ValueError as exc:
+            logger.warning("refusing target %s: %s", msg.target_id, exc)
+            return HelloReply(self.draft_id, None, str(exc), self.info)
+        with self.lock:
+            old = self.sides.pop(conn, None)
+            if old is not None:
+                old.close_all()
+            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/")
+            self.counters["num_connections"] += 1
+        logger.info("target %s connected as %s", msg.target_id, conn)
+        return HelloReply(self.draft_id, self.fingerprint, None, self.info)
+
+    def handle(self, conn: str, req: ProposeRequest) -> ProposeReply:
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+        try:
+            side = self.sides.get(conn)
+            if side is None:
+                raise ProtocolError(f"connection {conn!r} sent a request before Hello")
+            reply = side.handle(req)
+            c = self.counters
+            c["num_requests"] += 1
+            c["compute_s"] += reply.stats.compute_s
+            c["draft_time_hidden_s"] += reply.stats.hidden_s
+            for b in reply.blocks:
+                if b.draft_token_ids:
+                    c["num_blocks"] += 1
+                    c["num_cache_hits" if b.cache_hit else "num_cache_misses"] += 1
+            self.last_reply_at = time.perf_counter()
+            return reply
+        finally:
+            self.lock.release()
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether ``prepare`` has work to do (the drafter keeps a speculation cache)."""
+        return getattr(self.drafter, "fanout", 0) > 0
+
+    def request_waiting(self) -> bool:
+        return self._waiting > 0
+
+    def prepare(self, conn: str, should_stop: Callable[[], bool] | None = None) -> None:
+        stop = should_stop or self.request_waiting
+        with self.lock:
+            side = self.sides.get(conn)
+            if side is None:
+                return
+            start = time.perf_counter()
+            side.prepare(stop)
+            self.counters["prepare_s"] += time.perf_counter() - start
+
+    def drop(self, conn: str) -> None:
+        """The connection is gone: free its sequences."""
+        with self.lock:
+            side = self.sides.pop(conn, None)
+            if side is not None:
+                side.close_all()
+                logger.info("connection %s closed: freed its sequences", conn)
+
+    @property
+    def num_seqs(self) -> int:
+        return sum(s.num_seqs for s in list(self.sides.values()))
+
+    def metrics(self) -> dict:
+        return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs,
+                "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s}

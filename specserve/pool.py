@@ -1,0 +1,287 @@
+"""The target's view of its drafts: which draft each sequence uses and what each has yet to hear.
+
+Data flow: ``open`` assigns a new sequence to the least-loaded live draft (sticky for the
+sequence's life, so that draft's KV stays warm) and queues its ``OpenSeq``; ``result`` and
+``close`` queue deltas for that draft (one sequence's results coalesce while nothing is
+drafted for it); ``propose`` sends one ``ProposeRequest`` to every draft with wanted
+sequences before waiting on any, then collects the replies. A draft that fails, times out or
+sends garbage is dropped: its sequences move to another live draft (re-opened with their
+full tokens) or continue target-only, and move back when a draft connects. Discovery and
+reconnection run on a background thread, so a dead address never stalls a step. Knows
+nothing of Ray: ``discover`` returns {name: address}, ``connect`` turns one into an endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .messages import CloseSeq, DraftBlock, Hello, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
+from .transport import DraftUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Draft:
+    name: str
+    endpoint: object
+    info: dict = field(default_factory=dict)
+    seqs: set[str] = field(default_factory=set)
+    opens: list[OpenSeq] = field(default_factory=list)
+    results: dict[str, VerifyResult] = field(default_factory=dict)
+    closes: list[CloseSeq] = field(default_factory=list)
+    latency_s: float = 0.0  # running estimate of one request's round trip
+
+    @property
+    def has_deltas(self) -> bool:
+        return bool(self.opens or self.results or self.closes)
+
+
+@dataclass
+class ProposeOutcome:
+    blocks: dict[str, DraftBlock]
+    fallback: set[str]  # wanted sequences that got no block because no draft could answer
+    wait_s: float = 0.0  # send to last reply
+    compute_s: float = 0.0  # slowest draft's time answering (reported by the draft)
+    forward_s: float = 0.0  # of which forwards
+    hidden_s: float = 0.0  # drafting time the speculation caches took off the critical path
+    draft_step_s: float = 0.0  # the drafts' estimate of one decode forward
+
+
+class DraftPool:
+    def __init__(
+        self,
+        discover: Callable[[], dict[str, object]],
+        connect: Callable[[str, object], object],
+        hello: Hello,
+        reopen: Callable[[str], OpenSeq | None],
+        min_timeout_s: float = 0.5,
+        max_timeout_s: float = 10.0,
+        refresh_s: float = 1.0,
+        background: bool = True,
+    ):
+        self._discover, self._connect, self._hello, self._reopen = discover, connect, hello, reopen
+        self.min_timeout_s, self.max_timeout_s, self.refresh_s = min_timeout_s, max_timeout_s, refresh_s
+        self.drafts: dict[str, _Draft] = {}
+        self.assignment: dict[str, str] = {}  # request id -> draft name
+        self.orphans: set[str] = set()  # live sequences without a draft (target-only until one connects)
+        self.refused: dict[str, str] = {}  # draft name -> why it refused this target (vocabulary)
+        self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0}
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._maintain, name="specserve-draft-pool", daemon=True)
+            self._thread.start()
+        else:
+            self.connect_now()
+
+    # -- connections (background thread) ----------------------------------------------------
+    def _try_connect(self, name: str, address) -> None:
+        try:
+            endpoint = self._connect(name, address)
+            reply = endpoint.hello(self._hello, self.max_timeout_s)
+        except (DraftUnavailable, OSError) as exc:
+            logger.debug("draft %s not reachable: %s", name, exc)
+            return
+        if reply.error is not None:
+            endpoint.close()
+            if name not in self.refused:
+                logger.error("draft %s refused this target: %s", name, reply.error)
+            self.refused[name] = reply.error
+            return
+        self._ready.put(_Draft(name, endpoint, dict(reply.info)))
+
+    def connect_now(self) -> None:
+        """Discover and connect in the calling thread (start-up and in-process use)."""
+        for name, address in self._discover().items():
+            if name not in self.drafts and name not in self.refused:
+                self._try_connect(name, address)
+        self.poll()
+
+    def _maintain(self) -> None:
+        delay = 0.0
+        while not self._stop.wait(delay):
+            delay = self.refresh_s if self.drafts else min(self.refresh_s, 0.2)  # find the first draft fast
+            try:
+                found = self._discover()
+            except Exception as exc:  # discovery is best effort: keep the drafts we have
+                logger.debug("draft discovery failed: %s", exc)
+                continue
+            for name, address in found.items():
+                if name in self.drafts or name in self.refused:
+                    continue
+                self._try_connect(name, address)
+
+    def wait_for_drafts(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.drafts and not self.refused and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.02)
+        self.poll()
+
+    def poll(self) -> None:
+        """Adopt drafts that connected since the last call (engine thread)."""
+        while True:
+            try:
+                d = self._ready.get_nowait()
+            except queue.Empty:
+                return
+            if d.name in self.drafts:
+                d.endpoint.close()
+                continue
+            self.drafts[d.name] = d
+            self.counters["num_draft_connects"] += 1
+            logger.info("draft %s connected (%s)", d.name, d.info.get("node_id", "")[:8] or "in-process")
+            for rid in sorted(self.orphans):
+                self._assign(rid)
+            self.orphans.clear()
+
+    # -- sequences ----------------------------------------------------------------------------
+    def _least_loaded(self) -> _Draft | None:
+        return min(self.drafts.values(), key=lambda d: (len(d.seqs), d.name), default=None)
+
+    def _assign(self, rid: str) -> None:
+        msg = self._reopen(rid)
+        d = self._least_loaded()
+        if msg is None:
+            return
+        if d is None:
+            self.orphans.add(rid)
+            return
+        d.seqs.add(rid)
+        d.opens.append(msg)
+        self.assignment[rid] = d.name
+
+    def open(self, rid: str) -> None:
+        self._assign(rid)
+
+    def result(self, r: VerifyResult) -> None:
+        name = self.assignment.get(r.request_id)
+        if name is None:
+            return  # orphan: it will be re-opened with its full tokens
+        pending = self.drafts[name].results
+        prev = pending.get(r.request_id)
+        pending[r.request_id] = r if prev is None else prev.then(r)
+
+    def close(self, rid: str) -> None:
+        self.orphans.discard(rid)
+        name = self.assignment.pop(rid, None)
+        if name is None:
+            return
+        d = self.drafts[name]
+        d.seqs.discard(rid)
+        d.results.pop(rid, None)
+        if any(o.request_id == rid for o in d.opens):  # never reached the draft: nothing to free there
+            d.opens = [o for o in d.opens if o.request_id != rid]
+        else:
+            d.closes.append(CloseSeq(rid))
+
+    def _lost(self, d: _Draft, exc: BaseException) -> None:
+        if self.drafts.pop(d.name, None) is None:
+            return
+        self.counters["num_draft_failures"] += 1
+        logger.warning("draft %s unavailable (%s): %d sequences move to %s", d.name, exc, len(d.seqs),
+                       ", ".join(self.drafts) or "target-only decoding")
+        d.endpoint.close()
+        for rid in sorted(d.seqs):
+            self.assignment.pop(rid, None)
+            self.counters["num_resyncs"] += 1
+            self._assign(rid)
+
+    @property
+    def has_drafts(self) -> bool:
+        return bool(self.drafts)
+
+    # -- a step -------------------------------------------------------------------------------
+    def _timeout(self, d: _Draft, req: ProposeRequest) -> float:
+        if req.opens or d.latency_s == 0.0:
+            return self.max_timeout_s  # prompts to catch up on: generous
+        return min(self.max_timeout_s, max(self.min_timeout_s, 20.0 * d.latency_s))
+
+    def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int]) -> ProposeRequest:
+        req = ProposeRequest(step, d.opens, list(d.results.values()), d.closes, rids, ks)
+        d.opens, d.results, d.closes = [], {}, []
+        return req
+
+    def propose(self, step: int, wants: dict[str, int]) -> ProposeOutcome:
+        out = ProposeOutcome({}, set())
+        by_draft: dict[str, tuple[list[str], list[int]]] = {}
+        for rid, k in wants.items():
+            name = self.assignment.get(rid)
+            if name is None:
+                out.fallback.add(rid)
+                continue
+            rids, ks = by_draft.setdefault(name, ([], []))
+            rids.append(rid)
+            ks.append(k)
+        start = time.perf_counter()
+        sent = []
+        for name, (rids, ks) in by_draft.items():
+            d = self.drafts[name]
+            req = self._request(d, step, rids, ks)
+            try:
+                d.endpoint.send(req)
+                sent.append((d, req))
+            except DraftUnavailable as exc:
+                out.fallback.update(rids)
+                self._lost(d, exc)
+        for d, req in sent:
+            try:
+                reply: ProposeReply = d.endpoint.recv(self._timeout(d, req))
+                if not isinstance(reply, ProposeReply) or reply.step != req.step:
+                    raise DraftUnavailable(f"answered step {getattr(reply, 'step', '?')} to step {req.step}")
+            except DraftUnavailable as exc:
+                out.fallback.update(req.request_ids)
+                self._lost(d, exc)
+                continue
+            elapsed = time.perf_counter() - start
+            d.latency_s = elapsed if d.latency_s == 0.0 else 0.8 * d.latency_s + 0.2 * elapsed
+            for b in reply.blocks:
+                out.blocks[b.request_id] = b
+            for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
+                if self.assignment.get(rid) == d.name:
+                    self.counters["num_resyncs"] += 1
+                    d.seqs.discard(rid)
+                    self.assignment.pop(rid)
+                    self._assign(rid)
+            s = reply.stats
+            out.compute_s, out.forward_s = max(out.compute_s, s.compute_s), max(out.forward_s, s.forward_s)
+            out.hidden_s += s.hidden_s
+            out.draft_step_s = max(out.draft_step_s, s.draft_step_s)
+        out.wait_s = time.perf_counter() - start
+        return out
+
+    def flush(self, step: int) -> None:
+        """Deliver queued deltas (closes above all) to drafts no step is talking to (idle engine)."""
+        for d in list(self.drafts.values()):
+            if not d.has_deltas:
+                continue
+            req = self._request(d, step, [], [])
+            try:
+                d.endpoint.send(req)
+                d.endpoint.recv(self._timeout(d, req))
+            except DraftUnavailable as exc:
+                self._lost(d, exc)
+
+    def status(self) -> dict:
+        return {
+            "num_drafts_up": len(self.drafts),
+            "drafts": {name: {"num_seqs": len(d.seqs), "latency_ms": d.latency_s * 1e3, **d.info} for name, d in self.drafts.items()},
+            "refused": dict(self.refused),
+            "num_orphans": len(self.orphans),
+            **self.counters,
+        }
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for d in list(self.drafts.values()):
+            d.endpoint.close()
+        self.drafts.clear()
