@@ -15,7 +15,7 @@ import os
 from .config import DraftConfig, SideConfig, SpecserveConfig
 from .draft import ModelDrafter, NgramDrafter
 from .draft_service import DraftService
-from .models import eos_token_ids, load_config, load_tokenizer, vocab_fingerprint
+from .models import check_model_source, eos_token_ids, load_config, load_tokenizer, vocab_fingerprint
 from .target import TargetSide
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def _model_drafter(cfg: SpecserveConfig):
     spec = cfg.speculation
     backend = create_backend(d)
     fanout = spec.fanout if spec.draft_ahead else 0
-    return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, **d.drafter_options)
+    return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
 
 
 def _ngram_drafter(cfg: SpecserveConfig):
@@ -64,6 +64,8 @@ def set_cpu_threads(cfg: SpecserveConfig, in_process: bool) -> None:
 
 def build_target(cfg: SpecserveConfig) -> TargetSide:
     t = cfg.target
+    if t.backend != "sim":
+        check_model_source(t.model, "target")
     tokenizer = load_tokenizer(t.model, t.trust_remote_code) if t.backend != "sim" else None
     backend = create_backend(t, cfg.engine.max_model_len)
     config = load_config(t.model, t.trust_remote_code) if t.backend != "sim" else None
@@ -86,6 +88,8 @@ def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dic
     d = cfg.draft
     if d is None:
         raise ValueError("this configuration has no draft")
+    if d.drafter == "model" and d.backend != "sim":
+        check_model_source(d.model, "draft")
     drafter = DRAFTERS[d.drafter](cfg)
     return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, {"drafter": d.drafter, "backend": d.backend,
                                                                            "model": d.model, **(info or {})})

@@ -80,6 +80,7 @@ class SpeculationConfig(_Section):
     adaptive: bool = Field(True, description="Choose k each step from measured acceptance and costs (k=0 when speculation does not pay).")
     draft_probs: bool = Field(True, description="Sampled requests: the draft samples and sends its probabilities (else greedy point-mass drafts).")
     draft_ahead: bool = Field(True, description="While the target verifies, the draft drafts ahead for the likeliest verdicts (speculation cache).")
+    draft_ahead_preempt: bool = Field(True, description="Stop drafting ahead as soon as the next request arrives; false finishes the tree first (deterministic hits, for tests and measurements).")
     fanout: int = Field(2, ge=1, le=16, description="Speculation cache: candidate tokens per verdict position.")
     max_branches: int | None = Field(None, ge=1, description="Speculation cache: most branches per sequence (default (k+1) x fanout).")
     draft_timeout_s: float = Field(10.0, gt=0, description="Longest wait for a draft reply (steady state uses ~20x the measured round trip).")

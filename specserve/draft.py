@@ -122,11 +122,14 @@ class ModelDrafter:
     """Autoregressive drafting with a small causal LM behind a ``ModelBackend``.
 
     ``fanout`` > 0 turns on the speculation cache: up to ``fanout`` candidate tokens per
-    verdict position, at most ``max_branches`` branches per sequence (default (k+1) x fanout).
+    verdict position, at most ``max_branches`` branches per sequence (default (k+1) x fanout);
+    ``preempt`` stops drafting ahead when the next request arrives.
     """
 
-    def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None):
+    def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None,
+                 preempt: bool = True):
         self.backend = backend
+        self.preempt = preempt  # stop drafting ahead when a request waits (else finish the tree)
         self.send_probs = send_probs
         self.fanout = fanout if hasattr(backend, "forward_branches") else 0
         self.max_branches = max_branches
@@ -265,6 +268,8 @@ class ModelDrafter:
 
     def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None:
         """Glue forward over each block just sent, then the branch tree for its likeliest verdicts."""
+        if not self.preempt:
+            should_stop = lambda: False  # noqa: E731
         seqs = [s for s in seqs if s.block and self.fanout]
         if not seqs or should_stop():
             return

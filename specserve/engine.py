@@ -153,12 +153,14 @@ class EngineCore:
         batch_size = len(seqs)
         have_draft = self.pool is not None and self.pool.has_drafts
         k = self.controller.choose(batch_size, have_draft)
+        fixed_k = self.controller.max_k if have_draft else 0
         wants = {}
-        if k:
-            for rid, s in seqs.items():
-                n = min(k, self.target.room(s))
-                if n:
-                    wants[rid] = n
+        for rid, s in seqs.items():
+            # A seeded sampled request keeps the configured k: block boundaries decide which draws
+            # become which tokens, so the same seed gives the same output only with the same k.
+            n = min(fixed_k if (s.params.seed is not None and not s.params.greedy) else k, self.target.room(s))
+            if n:
+                wants[rid] = n
         blocks, fallback, outcome = {}, set(), None
         if wants:
             outcome = self.pool.propose(self.step_id, wants)

@@ -144,7 +144,12 @@ class LocalEngine:
             if core.pool.refused:
                 core.pool.shutdown()
                 raise ValueError(f"the draft cannot serve this target: {next(iter(core.pool.refused.values()))}")
+        self.draft_service = service if config.speculative else None
         self.loop = EngineLoop(core)
+
+    @property
+    def target(self):
+        return self.loop.core.target
 
     def generate(self, texts, token_ids, params, use_tqdm=True) -> list[RequestOutput]:
         from tqdm.auto import tqdm

@@ -11,6 +11,27 @@ import logging
 logger = logging.getLogger(__name__)
 
 
+def check_model_source(model: str, role: str = "model") -> None:
+    """Raise ``ValueError`` in user terms when ``model`` is neither a directory nor a usable hub id."""
+    import os
+
+    if os.path.isdir(os.path.expanduser(model)):
+        if not os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):
+            raise ValueError(f"{role} {model!r} is a directory without config.json: not a transformers model folder")
+        return
+    if os.path.exists(os.path.expanduser(model)):
+        raise ValueError(f"{role} {model!r} is a file; give the model's directory")
+    looks_like_path = model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
+    if looks_like_path:
+        raise ValueError(f"{role} {model!r}: no such directory")
+    from huggingface_hub import try_to_load_from_cache
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+            raise ValueError(f"{role} {model!r}: no such directory, and not in the Hugging Face cache (HF_HUB_OFFLINE is set, "
+                             "so it cannot be downloaded)")
+
+
 def load_tokenizer(model: str, trust_remote_code: bool = False):
     """The model's tokenizer, or ``None`` when the directory has no tokenizer files."""
     from transformers import AutoTokenizer
@@ -25,6 +46,7 @@ def load_tokenizer(model: str, trust_remote_code: bool = False):
 def load_config(model: str, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
+    check_model_source(model)
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except OSError as exc:

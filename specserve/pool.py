@@ -272,7 +272,8 @@ class DraftPool:
     def status(self) -> dict:
         return {
             "num_drafts_up": len(self.drafts),
-            "drafts": {name: {"num_seqs": len(d.seqs), "latency_ms": d.latency_s * 1e3, **d.info} for name, d in self.drafts.items()},
+            "drafts": {name: {"num_seqs": len(d.seqs), "latency_ms": d.latency_s * 1e3, **d.info}
+                       for name, d in list(self.drafts.items())},
             "refused": dict(self.refused),
             "num_orphans": len(self.orphans),
             **self.counters,

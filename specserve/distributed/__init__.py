@@ -1,9 +1,9 @@
-"""Ray layer: the draft and target sides as actors on separate nodes, joined by a channel.
+"""Ray layer: the target and draft sides as actors (or Serve replicas) on the nodes you label.
 
-Layers import downward only: this package uses the core (engine, sides, messages) and is
+Layers import downward only: this package uses the core (engine, sides, transport) and is
 used by ``specserve.serve``; the core never imports Ray.
 """
 
-from .placement import Placement, PlacementError
+from .placement import PlacementError
 
-__all__ = ["Placement", "PlacementError"]
+__all__ = ["PlacementError"]

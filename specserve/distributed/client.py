@@ -1,82 +1,105 @@
-"""``RayEngine``: the driver's handle on a placed draft/target pair (used by ``LLM`` and Serve).
+"""``RayEngine``: the driver's handle on placed target/draft actors (``LLM(..., ray=True)``).
 
-Data flow: ``generate`` validates every prompt on the target actor first, then submits
-requests in a bounded window (``ray.wait``), updating a tqdm bar, and returns outputs in
-input order; ``stream`` is an async iterator over the target actor's streaming generator,
-cancelled (freeing state on both sides) when the consumer stops early.
+Data flow: join or start Ray, place one bundle per replica (target first, then each draft),
+start the draft actors (each serves its model over TCP) and the target actor (which finds
+them by asking each for its current address, so a restarted draft is found again), wait
+until everything has loaded and connected, and load the tokenizer the target sends (the
+driver needs no model files). ``generate`` validates every prompt on the target first, then
+submits requests in a bounded window, updates a progress bar and returns outputs in input
+order; ``stream`` iterates the target's streaming generator and cancels it (freeing the
+request on both sides) when the consumer stops early.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import tempfile
+import time
 import uuid
-from dataclasses import asdict
+from pathlib import Path
 
-from ..config import EngineConfig
-from ..models import check_vocab_compatible, load_tokenizer
+from ..config import SpecserveConfig
 from ..outputs import RequestOutput, SpecMetrics, StepDelta
-from .placement import DRAFT_BUNDLE, TARGET_BUNDLE, Placement, connect, create_placement_group
+from .placement import connect, create_placement_group
 
 logger = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The user-facing cause of a Ray task error (e.g. the ValueError a constructor raised)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, (ValueError, TypeError)) else exc
+def unwrap(exc: BaseException) -> BaseException:
+    """The user-facing cause of a Ray error (e.g. the ValueError an actor's constructor raised)."""
+    seen = 0
+    while seen < 5:
+        cause = getattr(exc, "cause", None) or getattr(exc, "__cause__", None)
+        if isinstance(cause, (ValueError, TypeError, OSError, ImportError)):
+            return cause
+        if cause is None or cause is exc:
+            return exc
+        exc, seen = cause, seen + 1
+    return exc
+
+
+def load_tokenizer_from_files(files: dict[str, bytes]):
+    """A tokenizer rebuilt from the files a target sent (the real ``from_pretrained`` path)."""
+    if not files:
+        return None
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(tmp)
 
 
 class RayEngine:
-    def __init__(self, config: EngineConfig, placement: Placement | dict | None = None):
+    def __init__(self, config: SpecserveConfig):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from .workers import DraftWorker, TargetWorker
 
-        if isinstance(placement, dict):
-            placement = Placement(**placement)
-        self.placement = placement = placement or Placement()
-        self.config = config
-        self._started_ray = connect(placement)
-        self.pg = create_placement_group(config, placement, local=self._started_ray)
-        self.draft = self.target = None
+        self.config = cfg = config
+        self._started_ray = connect(cfg.cluster)
+        self.pg = None
+        self.target = None
+        self.drafts: list = []
         try:
-            cfg = config.to_dict()
-            if config.speculative:
-                d = config.draft
-                self.draft = ray.remote(DraftWorker).options(
-                    num_cpus=d.num_cpus, num_gpus=d.num_gpus, resources=d.resources or None,
-                    max_restarts=placement.draft_max_restarts, max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=DRAFT_BUNDLE),
-                ).remote(cfg)
-            t = config.target
+            bundles = [("target", cfg.target)]
+            if cfg.speculative:
+                bundles += [("draft", cfg.draft)] * cfg.draft.num_replicas
+            self.pg = create_placement_group(bundles, cfg.cluster)
+            data = cfg.model_dump()
+            env = {"runtime_env": cfg.cluster.runtime_env} if cfg.cluster.runtime_env else {}
+            for i in range(1, len(bundles)):
+                d = cfg.draft
+                self.drafts.append(ray.remote(DraftWorker).options(
+                    num_cpus=d.num_cpus, num_gpus=d.num_gpus, resources=d.resources or None, max_restarts=-1,
+                    max_task_retries=0, scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                    **env,
+                ).remote(data, None, f"draft-{i - 1}"))
+            t = cfg.target
             self.target = ray.remote(TargetWorker).options(
                 num_cpus=t.num_cpus, num_gpus=t.num_gpus, resources=t.resources or None, max_concurrency=100_000,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=TARGET_BUNDLE),
-            ).remote(cfg, asdict(placement), self.draft)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0), **env,
+            ).remote(data, self.drafts)
+            started = time.perf_counter()
+            logger.info("loading the target and %d draft replica(s) ...", len(self.drafts))
             try:
-                self.target_info = ray.get(self.target.ready.remote())
-                self.draft_info = ray.get(self.draft.ready.remote()) if self.draft is not None else None
+                self.draft_info = ray.get([d.ready.remote() for d in self.drafts])
+                self.target_info = ray.get(self.target.ready.remote(wait_for_drafts_s=60.0 if self.drafts else 0.0))
             except ray.exceptions.RayError as exc:
-                raise _unwrap(exc) from None
-            self._check_vocab()
-            if self.draft is not None and placement.channel == "collective":
-                group = f"specserve-{uuid.uuid4().hex[:8]}"
-                ray.get([self.target.init_collective.remote(placement.collective_backend, group),
-                         self.draft.init_collective.remote(placement.collective_backend, group)])
-            ray.get(self.target.start.remote())
+                raise unwrap(exc) from None
+            drafts = self.target_info["drafts"]
+            if drafts is not None and drafts["refused"]:
+                raise ValueError(f"the draft cannot serve this target: {next(iter(drafts['refused'].values()))}")
+            logger.info("sides ready in %.1fs", time.perf_counter() - started)
+            self.tokenizer = load_tokenizer_from_files(ray.get(self.target.tokenizer_files.remote()))
         except BaseException:
             self.shutdown()
             raise
-        self.tokenizer = load_tokenizer(config.target.model, config.target.trust_remote_code)
 
-    def _check_vocab(self) -> None:
-        if self.draft_info is not None and self.draft_info["vocab"] is not None:
-            check_vocab_compatible(self.target_info["vocab"], self.draft_info["vocab"])
-
-    # -- batch ----------------------------------------------------------------------------
+    # -- batch ----------------------------------------------------------------------------------
     def generate(self, texts, token_ids, params, use_tqdm=True, max_in_flight: int | None = None) -> list[RequestOutput]:
         import ray
         from tqdm.auto import tqdm
@@ -85,8 +108,8 @@ class RayEngine:
         try:
             ray.get(self.target.validate.remote(list(zip(token_ids, param_dicts))))
         except ray.exceptions.RayTaskError as exc:
-            raise _unwrap(exc) from None
-        window = max_in_flight or 2 * self.config.max_num_seqs
+            raise unwrap(exc) from None
+        window = max_in_flight or 2 * self.config.engine.max_num_seqs
         outputs: list[RequestOutput | None] = [None] * len(token_ids)
         pending: dict = {}
         todo = iter(range(len(token_ids)))
@@ -104,7 +127,10 @@ class RayEngine:
                     done, _ = ray.wait(list(pending), num_returns=1)
                     for ref in done:
                         i, rid = pending.pop(ref)
-                        d = ray.get(ref)
+                        try:
+                            d = ray.get(ref)
+                        except ray.exceptions.RayTaskError as exc:
+                            raise unwrap(exc) from None
                         outputs[i] = RequestOutput(rid, texts[i], token_ids[i], d["token_ids"], d["text"],
                                                    d["finish_reason"], d["stop_reason"], SpecMetrics.from_dict(d["metrics"]))
                         bar.update(1)
@@ -114,25 +140,24 @@ class RayEngine:
                 raise
         return outputs
 
-    # -- streaming ------------------------------------------------------------------------
-    async def stream(self, token_ids, params, request_id=None):
-        rid = request_id or f"stream-{next(_ids)}-{uuid.uuid4().hex[:6]}"
-        gen = self.target.stream.options(num_returns="streaming").remote(rid, list(token_ids), params.to_dict())
+    # -- streaming ------------------------------------------------------------------------------
+    async def stream(self, token_ids, params, request_id):
+        import ray
+
+        gen = self.target.stream.options(num_returns="streaming").remote(request_id, list(token_ids), params.to_dict())
         finished = False
         try:
             async for ref in gen:
                 try:
                     d = await ref
                 except Exception as exc:
-                    raise _unwrap(exc) from None
+                    raise unwrap(exc) from None
                 finished = d["finished"]
                 yield StepDelta(**d)
         finally:
             if not finished:
-                import ray
-
                 ray.cancel(gen)
-                self.target.abort.remote(rid)
+                self.target.abort.remote(request_id)
 
     def metrics(self) -> dict:
         import ray
@@ -143,11 +168,11 @@ class RayEngine:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        for actor in (self.target, self.draft):
+        for actor in [self.target, *self.drafts]:
             if actor is not None:
                 ray.kill(actor)
-        self.target = self.draft = None
-        if getattr(self, "pg", None) is not None:
+        self.target, self.drafts = None, []
+        if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
         if self._started_ray:

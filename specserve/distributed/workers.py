@@ -1,11 +1,13 @@
-"""The two Ray actors: ``DraftWorker`` (answers draft messages) and ``TargetWorker``.
+"""The side processes: ``TargetWorker`` and ``DraftWorker``, as Ray actors or Serve replicas.
 
-``TargetWorker`` is an async actor that owns the ``SpecEngine`` and runs the continuous-
-batching loop: requests arriving through ``stream``/``generate`` join at the next step;
-each step plans (prefill + message), asks the draft through the channel with a timeout,
-and verifies every live sequence in one forward. If the draft dies or times out, live and
-new requests continue target-only (still lossless); when Ray has restarted the draft and a
-probe succeeds, live sequences are re-opened on it and speculation resumes.
+Both are plain classes: ``ray.remote(cls)`` for the batch API, ``serve.deployment(cls)`` for
+HTTP (``specserve.serve``), same code. A ``DraftWorker`` loads only the draft, serves it on
+a TCP port (``transport.DraftServer``) and, under Serve, registers that address with the
+``DraftDirectory`` every couple of seconds. A ``TargetWorker`` loads only the target, runs
+the engine loop on its own thread and finds its drafts through ``discover`` (the draft
+actors' current addresses, or the directory), connecting to each over TCP. Requests come in
+through ``stream`` (an async generator: Ray streaming or Serve ``stream=True``) and
+``generate``; a consumer that goes away aborts its request on both sides.
 """
 
 from __future__ import annotations
@@ -13,143 +15,203 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 
-import ray
-
-from ..build import build_draft, build_target
-from ..config import EngineConfig
-from ..engine import SpecEngine
-from ..messages import decode, encode
-from ..outputs import RequestOutput, SpecMetrics, StepDelta
+from ..config import SpecserveConfig
+from ..outputs import RequestOutput, StepDelta
 from ..sampling_params import SamplingParams
-from ..models import load_tokenizer, vocab_fingerprint
-from .channel import DRAFT_RANK, TARGET_RANK, CollectiveChannel, RayChannel, pack_probs
-from .placement import Placement
 
 logger = logging.getLogger("specserve")
 
+DIRECTORY_TTL_S = 6.0  # a draft not heard from for this long is no longer listed
+REGISTER_EVERY_S = 2.0
 
-def _node_info() -> dict:
+
+def node_info() -> dict:
+    import ray
+
     ctx = ray.get_runtime_context()
-    return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "actor_id": ctx.get_actor_id()}
+    return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "actor_id": ctx.get_actor_id() or "",
+            "ip": ray.util.get_node_ip_address()}
+
+
+class DraftDirectory:
+    """Where draft replicas announce their TCP address and targets look them up (Serve only)."""
+
+    def __init__(self):
+        self.entries: dict[str, tuple[str, float]] = {}
+
+    def register(self, name: str, address: str) -> None:
+        self.entries[name] = (address, time.monotonic())
+
+    def unregister(self, name: str) -> None:
+        self.entries.pop(name, None)
+
+    def list(self) -> dict[str, str]:
+        now = time.monotonic()
+        return {n: a for n, (a, seen) in self.entries.items() if now - seen < DIRECTORY_TTL_S}
 
 
 class DraftWorker:
-    def __init__(self, config: dict):
-        self.config = EngineConfig.from_dict(config)
-        self.side = build_draft(self.config)
-        self.backend = None
-        self._send_thread: threading.Thread | None = None
+    def __init__(self, config: dict, directory=None, name: str | None = None):
+        from ..build import build_draft_service, set_cpu_threads
+        from ..transport import DraftServer
+
+        self.config = SpecserveConfig.load(config)
+        set_cpu_threads(self.config, in_process=False)
+        info = node_info()
+        self.name = name or f"draft-{info['actor_id'][:12] or os.getpid()}"
+        started = time.perf_counter()
+        logger.info("loading draft %s on node %s", self.config.draft.model or self.config.draft.drafter, info["node_id"][:8])
+        self.service = build_draft_service(self.config, self.name, info)
+        self.server = DraftServer(self.service, port=self.config.channel.draft_port)
+        self.info = {**info, "name": self.name, "address": self.server.address, "load_s": time.perf_counter() - started}
+        logger.info("draft %s serving at %s (loaded in %.1fs)", self.name, self.server.address, self.info["load_s"])
+        self.directory = directory
+        self._stop = threading.Event()
+        if directory is not None:
+            threading.Thread(target=self._announce, name="specserve-draft-announce", daemon=True).start()
+
+    def _announce(self) -> None:
+        while True:
+            try:
+                self.directory.register.remote(self.name, self.server.address).result(timeout_s=5)
+            except Exception as exc:  # the directory restarts or is busy: try again shortly
+                logger.debug("draft %s could not register: %s", self.name, exc)
+            if self._stop.wait(REGISTER_EVERY_S):
+                return
+
+    def address(self) -> str:
+        return self.server.address
 
     def ready(self) -> dict:
-        drafter = self.side.drafter
-        backend = getattr(drafter, "backend", None)
-        fp = None
-        if backend is not None:
-            d = self.config.draft
-            fp = vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), backend.vocab_size)
-        return {**_node_info(), "vocab": fp}
+        return self.info
 
     def ping(self) -> bool:
         return True
 
-    def init_collective(self, backend: str, group_name: str) -> None:
-        self.backend = backend
-        CollectiveChannel.init_group(backend, group_name, DRAFT_RANK)
-        self.group_name = group_name
+    def check_health(self) -> None:
+        if not self.server._thread.is_alive():
+            raise RuntimeError(f"draft {self.name}: its server thread died")
 
-    def handle(self, data: bytes, tensor_path: bool = False) -> bytes:
-        req = decode(data)  # ProtocolError on bad bytes: raised to the caller, the actor lives on
-        reply = self.side.handle(req)
-        if tensor_path:
-            reply, packed = pack_probs(reply, self.backend)
-            if packed is not None:
-                import ray.util.collective as col
-
-                if self._send_thread is not None:
-                    self._send_thread.join()
-                self._send_thread = threading.Thread(target=col.send, args=(packed, TARGET_RANK, self.group_name), daemon=True)
-                self._send_thread.start()
-        return encode(reply)
+    def metrics(self) -> dict:
+        return {**self.service.metrics(), "address": self.server.address, "node_id": self.info["node_id"]}
 
     def num_seqs(self) -> int:
-        return self.side.num_seqs
+        return self.service.num_seqs
+
+    def __del__(self):
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            if self.directory is not None:
+                try:
+                    self.directory.unregister.remote(self.name)
+                except Exception:  # shutting down: the directory may be gone
+                    pass
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()
 
 
 class TargetWorker:
-    def __init__(self, config: dict, placement: dict, draft=None):
-        self.config = EngineConfig.from_dict(config)
-        self.placement = Placement(**placement)
-        self.target = build_target(self.config)
-        self.engine = SpecEngine(self.target, self.config.num_speculative_tokens, self.config.max_num_seqs, draft is not None)
-        self.draft = draft
-        self.channel = RayChannel(draft, self.placement.channel_delay_ms) if draft is not None else None
-        self.draft_up = draft is not None
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.pending_adds: list = []
-        self.pending_aborts: list[str] = []
-        self.totals = SpecMetrics()
-        self.counters = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_generated_tokens": 0,
-                         "num_draft_failures": 0, "num_draft_recoveries": 0}
-        self._loop_task = None
-        self._probe_task = None
-        self._last_probe = 0.0
-        self._wake = None
+    def __init__(self, config: dict, drafts: list | None = None, directory=None, name: str | None = None):
+        from ..adaptive import SpeculationController
+        from ..build import build_target, set_cpu_threads
+        from ..engine import EngineCore, EngineLoop
+        from ..messages import Hello
+        from ..pool import DraftPool
+        from ..transport import SocketEndpoint
 
-    # -- setup ----------------------------------------------------------------------------
-    def ready(self) -> dict:
-        return {**_node_info(), "vocab": self.target.vocab_fingerprint(), "max_model_len": self.target.max_model_len}
+        self.config = cfg = SpecserveConfig.load(config)
+        set_cpu_threads(cfg, in_process=False)
+        info = node_info()
+        self.name = name or f"target-{info['actor_id'][:12] or os.getpid()}"
+        started = time.perf_counter()
+        logger.info("loading target %s on node %s", cfg.target.model, info["node_id"][:8])
+        target = build_target(cfg)
+        self.tokenizer = target.tokenizer
+        spec = cfg.speculation
+        controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
+        core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
+        self.draft_actors = list(drafts or [])
+        self.directory = directory
+        if cfg.speculative:
+            delay = cfg.channel.delay_ms
+            core.pool = DraftPool(
+                discover=self._discover, connect=lambda name, address: SocketEndpoint(address, delay),
+                hello=Hello(self.name, target.vocab_fingerprint()), reopen=core.reopen,
+                min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
+            )
+        self.loop = EngineLoop(core, name=f"specserve-engine-{self.name}")
+        self.info = {**info, "name": self.name, "max_model_len": target.max_model_len, "model": cfg.target.model,
+                     "vocab": target.vocab_fingerprint(), "load_s": time.perf_counter() - started,
+                     "has_tokenizer": target.tokenizer is not None,
+                     "has_chat_template": bool(getattr(target.tokenizer, "chat_template", None))}
+        logger.info("target %s ready (loaded in %.1fs)", self.name, self.info["load_s"])
 
-    def init_collective(self, backend: str, group_name: str) -> None:
-        CollectiveChannel.init_group(backend, group_name, TARGET_RANK)
-        self.channel = CollectiveChannel(self.draft, self.placement.channel_delay_ms, backend, group_name,
-                                         self.target.backend.vocab_size, self.target.backend.device)
+    def _discover(self) -> dict[str, str]:
+        import ray
 
-    async def start(self) -> None:
-        if self._loop_task is None:
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        if self.directory is not None:
+            return self.directory.list.remote().result(timeout_s=5)
+        found = {}
+        refs = {i: h.address.remote() for i, h in enumerate(self.draft_actors)}
+        for i, ref in refs.items():
+            try:
+                found[f"draft-{i}"] = ray.get(ref, timeout=5)
+            except Exception:  # restarting: it will answer on a later round
+                pass
+        return found
 
-    # -- requests -------------------------------------------------------------------------
+    # -- setup ----------------------------------------------------------------------------------
+    def ready(self, wait_for_drafts_s: float = 0.0) -> dict:
+        pool = self.loop.core.pool
+        if pool is not None and wait_for_drafts_s:
+            deadline = time.monotonic() + wait_for_drafts_s
+            while not pool.drafts and not pool.refused and time.monotonic() < deadline:
+                time.sleep(0.05)  # the engine thread adopts drafts as they connect
+        return {**self.info, "drafts": pool.status() if pool is not None else None}
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The target's tokenizer as files, so a router or driver needs no copy of the model."""
+        if self.tokenizer is None:
+            return {}
+        with tempfile.TemporaryDirectory() as tmp:
+            self.tokenizer.save_pretrained(tmp)
+            return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+
+    # -- requests -------------------------------------------------------------------------------
     def validate(self, requests: list) -> None:
         """Raise ``ValueError`` for the first bad (token_ids, params) pair, naming its index."""
         for i, (token_ids, params) in enumerate(requests):
             try:
-                self.target.validate(token_ids, SamplingParams(**params))
+                self.loop.core.validate(token_ids, SamplingParams(**params))
             except ValueError as exc:
                 raise ValueError(f"request {i}: {exc}") from None
 
-    def _submit(self, request_id: str, token_ids: list[int], params: dict) -> asyncio.Queue:
-        sp = SamplingParams(**params)
-        self.target.validate(token_ids, sp)
-        if request_id in self.queues:
-            raise ValueError(f"request_id {request_id!r} is already running")
-        queue: asyncio.Queue = asyncio.Queue()
-        self.queues[request_id] = queue
-        self.pending_adds.append((request_id, list(token_ids), sp))
-        self._wake.set()
-        return queue
-
     async def stream(self, request_id: str, token_ids: list[int], params: dict):
-        """Ray streaming generator: one dict (``StepDelta``) per step that added tokens."""
-        await self.start()
-        queue = self._submit(request_id, token_ids, params)
+        """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.loop.submit(request_id, list(token_ids), SamplingParams(**params),
+                         lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
         finished = False
         try:
             while not finished:
-                delta = await queue.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                finished = delta.finished
-                yield asdict(delta)
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield asdict(item)
         finally:
-            self.queues.pop(request_id, None)
             if not finished:  # cancelled or disconnected: free the state on both sides
-                self.pending_aborts.append(request_id)
-                self._wake.set()
+                self.loop.abort(request_id)
 
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
         out = RequestOutput(request_id, None, list(token_ids))
@@ -158,115 +220,26 @@ class TargetWorker:
         return {"request_id": request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict()}
 
-    async def abort(self, request_id: str) -> None:
-        self.pending_aborts.append(request_id)
-        self._wake.set()
+    def abort(self, request_id: str) -> None:
+        self.loop.abort(request_id)
 
-    # -- the loop -------------------------------------------------------------------------
-    def _apply_pending(self) -> None:
-        adds, self.pending_adds = self.pending_adds, []
-        for rid, ids, sp in adds:
-            if rid in self.queues:  # not cancelled while waiting
-                self.engine.add_request(rid, ids, sp)
-        aborts, self.pending_aborts = self.pending_aborts, []
-        for rid in aborts:
-            if self.engine.abort(rid):
-                self.counters["num_requests_aborted"] += 1
+    # -- introspection -----------------------------------------------------------------------
+    def check_health(self) -> None:
+        if not self.loop._thread.is_alive():
+            raise RuntimeError(f"target {self.name}: its engine thread died")
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                self._apply_pending()
-                if not self.engine.has_work():
-                    await self._flush_closes()
-                    if not (self.pending_adds or self.pending_aborts):
-                        self._wake.clear()
-                        await self._wake.wait()
-                    continue
-                await self._step()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug must fail its requests loudly, not hang them
-                logger.exception("step failed; failing requests %s", list(self.engine.target.seqs))
-                for rid in list(self.engine.target.seqs) + [w[0] for w in self.engine.waiting]:
-                    self.engine.abort(rid)
-                    if rid in self.queues:
-                        self.queues[rid].put_nowait(RuntimeError(f"specserve step failed: {exc}"))
-
-    async def _step(self) -> None:
-        req = await asyncio.to_thread(self.engine.plan)
-        if req is None:
-            return
-        reply, fallback = None, False
-        if self.engine.k > 0:
-            if self.draft_up:
-                try:
-                    reply = await asyncio.wait_for(self.channel.propose(req), self.placement.draft_timeout_s)
-                except Exception as exc:
-                    self._draft_failed(exc, req)
-                    fallback = True
-            else:
-                fallback = True
-                self.engine.draft_lost(req)
-                self._maybe_probe()
-        deltas = await asyncio.to_thread(self.engine.finish, reply, fallback)
-        for d in deltas:
-            self.totals.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)
-            self.counters["num_generated_tokens"] += len(d.token_ids)
-            if d.finished:
-                self.counters["num_requests_finished"] += 1
-            queue = self.queues.get(d.request_id)
-            if queue is not None:
-                queue.put_nowait(d)
-            elif not d.finished:  # nobody listens any more
-                self.pending_aborts.append(d.request_id)
-
-    async def _flush_closes(self) -> None:
-        if self.draft_up and self.engine.has_pending_closes and self.engine.k > 0:
-            from ..messages import ProposeRequest
-
-            req = ProposeRequest(self.engine.step_id, 0, closes=self.engine.take_closes())
-            try:
-                await asyncio.wait_for(self.channel.propose(req), self.placement.draft_timeout_s)
-            except Exception as exc:
-                self._draft_failed(exc, req)
-
-    def _draft_failed(self, exc: BaseException, req) -> None:
-        self.engine.draft_lost(req)
-        self.channel.degrade()
-        if self.draft_up:
-            logger.warning("draft unavailable (%s: %s): %d live requests continue target-only until it returns",
-                           type(exc).__name__, exc, self.engine.num_running)
-            self.counters["num_draft_failures"] += 1
-        self.draft_up = False
-        self._last_probe = time.monotonic()
-
-    def _maybe_probe(self) -> None:
-        due = time.monotonic() - self._last_probe >= self.placement.draft_probe_interval_s
-        if due and (self._probe_task is None or self._probe_task.done()):
-            self._last_probe = time.monotonic()
-            self._probe_task = asyncio.get_running_loop().create_task(self._probe())
-
-    async def _probe(self) -> None:
-        try:
-            await asyncio.wait_for(self.draft.ping.remote(), self.placement.draft_timeout_s)
-        except Exception:
-            return
-        logger.warning("draft is back: resyncing %d live requests and resuming speculation", self.engine.num_running)
-        self.counters["num_draft_recoveries"] += 1
-        self.engine.resync_draft()
-        self.draft_up = True
-
-    # -- introspection --------------------------------------------------------------------
     def metrics(self) -> dict:
-        return {
-            **self.totals.to_dict(), **self.counters,
-            "num_engine_steps": self.engine.step_id,  # batched target forwards (one per step, all sequences)
-            "num_running": self.engine.num_running, "num_waiting": len(self.engine.waiting),
-            "draft_up": bool(self.draft_up), "has_draft": self.draft is not None,
-            "num_speculative_tokens": self.engine.k, "channel": getattr(self.channel, "name", None),
-            "channel_tensor_bytes": getattr(self.channel, "num_tensor_bytes", 0),
-        }
+        m = self.loop.core.metrics()
+        m["num_requests"] = self.loop.num_requests
+        m["name"] = self.name
+        m["has_draft"] = self.loop.core.pool is not None
+        m["draft_up"] = bool(self.loop.core.pool is not None and self.loop.core.pool.has_drafts)
+        return m
 
     def num_seqs(self) -> int:
-        return self.engine.num_running + len(self.engine.waiting)
+        return self.loop.core.num_running + len(self.loop.core.waiting)
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.shutdown()

@@ -63,3 +63,47 @@ def test_context_overflow_is_a_value_error(tmp_path):
     backend.add("x")
     with pytest.raises(ValueError, match="over max_model_len=16"):
         backend.forward(["x"], [list(range(17))], [1])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2", "gpt_neox"])
+def test_branch_trees_match_full_forwards(tmp_path, arch):
+    """Each lane of a branch tree sees its own prefix and path only, and commits nothing."""
+    make_model(tmp_path / "m", arch=arch, seed=1)
+    backend = HFBackend(str(tmp_path / "m"), dtype="float64")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float64).eval()
+    ctx = [5, 6, 7, 8, 9, 10]
+    backend.add("a")
+    backend.add("b")
+    backend.forward(["a", "b"], [ctx, ctx[:3]], [1, 1])
+    lens = {"a": [4, 6, 2], "b": [3, 1]}  # each branch continues this many cached tokens
+    roots = {"a": [20, 21, 22], "b": [30, 31]}
+    base = {"a": ctx, "b": ctx[:3]}
+    paths = {(s, i): base[s][: lens[s][i]] + [roots[s][i]] for s in "ab" for i in range(len(roots[s]))}
+    tokens = [roots["a"], roots["b"]]
+    for depth in range(3):
+        out = backend.forward_branches(["a", "b"], tokens, [lens["a"], lens["b"]], depth, num_lanes=4)
+        nxt = []
+        for row, s in enumerate("ab"):
+            picked = []
+            for lane in range(len(tokens[row])):
+                with torch.no_grad():
+                    expect = ref(torch.tensor([paths[(s, lane)]])).logits[0, -1]
+                assert torch.allclose(out[row, lane], expect, atol=1e-9), (arch, depth, s, lane)
+                picked.append(int(expect.argmax()))
+                paths[(s, lane)] = paths[(s, lane)] + [picked[-1]]
+            nxt.append(picked)
+        tokens = nxt
+    assert backend.num_cached("a") == 6 and backend.num_cached("b") == 3
+    logits = backend.forward(["a"], [[11]], [1])  # the committed sequence is untouched
+    with torch.no_grad():
+        assert torch.allclose(logits[0, -1], ref(torch.tensor([ctx + [11]])).logits[0, -1], atol=1e-9)
+
+
+def test_failed_forward_commits_nothing(tmp_path):
+    make_model(tmp_path / "m", max_positions=16)
+    backend = HFBackend(str(tmp_path / "m"))
+    backend.add("x")
+    backend.forward(["x"], [[1, 2, 3]], [1])
+    with pytest.raises(ValueError):
+        backend.forward(["x"], [list(range(20))], [1])
+    assert backend.num_cached("x") == 3

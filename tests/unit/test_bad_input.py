@@ -28,7 +28,7 @@ def test_sampling_params_validation(kwargs, match):
 
 def test_prompt_longer_than_context(tiny_pair):
     llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], dtype="float64")
-    with pytest.raises(ValueError, match="prompt has 300 tokens.*max_model_len.*256"):
+    with pytest.raises(ValueError, match="request 0: prompt has 300 tokens.*max_model_len.*256"):
         llm.generate([[1] * 300], use_tqdm=False)
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate([[]], use_tqdm=False)
@@ -57,13 +57,18 @@ def test_tokenizers_that_differ(tmp_path, tiny_pair):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"num_speculative_tokens": -1}, "num_speculative_tokens must be an integer in \\[0, 32\\], got -1"),
-    ({"dtype": "float8"}, "dtype must be one of"),
-    ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+    ({"num_speculative_tokens": -1}, "num_speculative_tokens: Input should be greater than or equal to 0"),
+    ({"dtype": "float8"}, "target_dtype: Input should be 'auto', 'float32'"),
+    ({"max_num_seqs": 0}, "max_num_seqs: Input should be greater than or equal to 1"),
 ])
 def test_engine_config_validation(tiny_pair, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(tiny_pair["target"], draft="ngram", **kwargs)
+
+
+def test_unknown_keyword_is_a_type_error(tiny_pair):
+    with pytest.raises(TypeError, match="unknown configuration field 'num_speculative_tokenz'"):
+        LLM(tiny_pair["target"], num_speculative_tokenz=3)
 
 
 def test_string_prompt_without_tokenizer(tmp_path):
@@ -80,6 +85,13 @@ def test_mismatched_params_list(tiny_pair):
         llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
 
 
-def test_missing_model_directory(tmp_path):
-    with pytest.raises(ValueError, match="cannot load a model config"):
+def test_missing_model_directory(tmp_path, tiny_pair):
+    with pytest.raises(ValueError, match="target .*/nope': no such directory"):
         LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="draft .*/nope': no such directory"):
+        LLM(tiny_pair["target"], draft=str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="directory without config.json"):
+        LLM(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="'someorg/somemodel': no such directory, and not in the Hugging Face cache"):
+        LLM("someorg/somemodel")

@@ -31,7 +31,8 @@ def test_reference_matches_transformers_generate(tiny_pair, reference):
 
 def test_target_only_matches_reference(tiny_pair, reference):
     for kwargs in ({"draft": None}, {"draft": tiny_pair["same"], "num_speculative_tokens": 0}):
-        outs = LLM(tiny_pair["target"], dtype="float64", **kwargs).generate(PROMPTS, GREEDY, use_tqdm=False)
+        with LLM(tiny_pair["target"], dtype="float64", **kwargs) as llm:
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in outs] == reference
         assert all(o.metrics.num_draft_tokens == 0 for o in outs)
 
@@ -39,8 +40,11 @@ def test_target_only_matches_reference(tiny_pair, reference):
 @pytest.mark.parametrize("draft", ["same", "perturbed", "unrelated", "ngram"])
 @pytest.mark.parametrize("k", range(1, 9))
 def test_speculative_equals_target_only(tiny_pair, reference, draft, k):
-    llm = LLM(tiny_pair["target"], draft=tiny_pair.get(draft, draft), num_speculative_tokens=k, dtype="float64")
+    # Drafting ahead on for odd k, off for even k: both paths cover every draft kind.
+    llm = LLM(tiny_pair["target"], draft=tiny_pair.get(draft, draft), num_speculative_tokens=k, dtype="float64",
+              adaptive=False, draft_ahead=bool(k % 2))
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.shutdown()
     assert [o.token_ids for o in outs] == reference
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
     accepted = sum(o.metrics.num_accepted_tokens for o in outs)
@@ -65,19 +69,39 @@ def test_other_architectures(tmp_path, arch):
     reference = [reference_generate(ref_model, p, GREEDY) for p in PROMPTS]
     for k in (1, 4, 8):
         for draft in (str(tmp_path / "d"), "ngram"):
-            llm = LLM(str(tmp_path / "t"), draft=draft, num_speculative_tokens=k, dtype="float64")
-            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+            with LLM(str(tmp_path / "t"), draft=draft, num_speculative_tokens=k, dtype="float64", adaptive=False) as llm:
+                assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
 
 
 def test_batch_size_one_at_a_time_equals_batched(tiny_pair):
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=4, dtype="float64", max_num_seqs=2)
-    batched = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    single = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=4, dtype="float64", max_num_seqs=2) as llm:
+        batched = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        single = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PROMPTS]
     assert batched == single
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_adaptive_k_never_changes_greedy_output(tiny_pair, reference, ahead):
+    """Adaptive k varies k step by step (warm-up cycles it, probes try neighbours): output is unchanged."""
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=6, dtype="float64",
+             adaptive=True, draft_ahead=ahead) as llm:
+        outs = llm.generate(PROMPTS * 3, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference * 3
+    ks = {o.metrics.num_draft_tokens / max(1, o.metrics.num_drafts) for o in outs}
+    assert len(ks) > 1  # k really varied between requests
+
+
+def test_drafting_ahead_hits_and_misses_stay_exact(tiny_pair, reference):
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64",
+             adaptive=False, draft_ahead=True, fanout=3, draft_ahead_preempt=False) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == reference
+    assert 0 < m["num_cache_hits"] < m["num_blocks"]  # both paths ran
 
 
 def test_float32_matches_reference(tiny_pair):
     target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float32).eval()
     reference = [reference_generate(target, p, GREEDY) for p in PROMPTS]
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float32")
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float32") as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference

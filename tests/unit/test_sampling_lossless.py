@@ -1,8 +1,9 @@
 """Sampled speculative output follows the target's exact distribution (end to end through LLM).
 
-Thousands of seeded requests; the first and second generated tokens are compared with the
-exact target distributions (p(t1) and sum_t1 p(t1) p(t2 | t1)) by a chi-square test at
-significance 1e-4. The draft is an unrelated model, so most drafts are rejected and the
+Thousands of seeded requests; the first three generated tokens are compared with the exact
+target distributions (p(t1), sum_t1 p(t1) p(t2 | t1), and likewise p(t3)) by a chi-square
+test at significance 1e-4. The third token is often verified from a block the draft drafted
+ahead (a speculation-cache hit), so the test covers that path too. The draft is an unrelated model, so most drafts are rejected and the
 recovered-token path carries most of the mass.
 """
 
@@ -37,12 +38,16 @@ def small_vocab_pair(tmp_path_factory):
 
 
 def exact_distributions(target_path, temperature, top_k, top_p):
+    """p(t1), p(t2) and p(t3), marginalised exactly over the earlier tokens."""
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float64).eval()
     with torch.no_grad():
         p1 = processed_probs(model(torch.tensor([PROMPT])).logits[0, -1:], temperature, top_k, top_p)[0]
         ctx = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
         p2_given = processed_probs(model(ctx).logits[:, -1], temperature, top_k, top_p)  # [VOCAB, VOCAB]
-    return p1, p1 @ p2_given
+        ctx3 = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
+        p3_given = processed_probs(model(ctx3).logits[:, -1], temperature, top_k, top_p)  # [VOCAB * VOCAB, VOCAB]
+    joint12 = (p1[:, None] * p2_given).reshape(-1)  # p(t1, t2)
+    return p1, p1 @ p2_given, joint12 @ p3_given
 
 
 def chi2_pvalue(samples, expected_probs):
@@ -58,28 +63,52 @@ def chi2_pvalue(samples, expected_probs):
 
 
 @pytest.mark.parametrize(
-    "temperature, top_k, top_p, draft_probs",
-    [(1.0, 0, 1.0, True), (1.0, 0, 1.0, False), (0.8, 5, 1.0, True), (1.0, 0, 0.8, True)],
+    "temperature, top_k, top_p, draft_probs, ahead",
+    [(1.0, 0, 1.0, True, True), (1.0, 0, 1.0, False, True), (0.8, 5, 1.0, True, False), (1.0, 0, 0.8, True, True)],
 )
-def test_first_two_tokens_follow_target(small_vocab_pair, temperature, top_k, top_p, draft_probs):
+def test_first_two_tokens_follow_target(small_vocab_pair, temperature, top_k, top_p, draft_probs, ahead):
     target, draft = small_vocab_pair
-    llm = LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64", draft_probs=draft_probs)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=2, seed=s, ignore_eos=True)
-              for s in range(NUM_SAMPLES)]
-    outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
-    p1, p2 = exact_distributions(target, temperature, top_k, top_p)
+    with LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64", draft_probs=draft_probs, adaptive=False,
+             draft_ahead=ahead, draft_ahead_preempt=False, fanout=VOCAB) as llm:  # fanout = vocab: frequent cache hits
+        params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, seed=s, ignore_eos=True)
+                  for s in range(NUM_SAMPLES)]
+        outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+        m = llm.metrics()
+    if ahead:
+        assert 0 < m["num_cache_hits"] < m["num_blocks"]  # drafted-ahead blocks and on-demand blocks both verified
+    p1, p2, p3 = exact_distributions(target, temperature, top_k, top_p)
     assert chi2_pvalue([o.token_ids[0] for o in outs], p1) > 1e-4
     assert chi2_pvalue([o.token_ids[1] for o in outs], p2) > 1e-4
+    assert chi2_pvalue([o.token_ids[2] for o in outs], p3) > 1e-4  # often decided from a drafted-ahead block
     accepted = sum(o.metrics.num_accepted_tokens for o in outs) / sum(o.metrics.num_draft_tokens for o in outs)
     assert accepted < 0.9  # the draft is often rejected, so the residual path is exercised
 
 
 def test_same_seed_same_output(small_vocab_pair):
     target, draft = small_vocab_pair
-    llm = LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64")
-    params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
-    first = llm.generate([PROMPT, PROMPT[:2]], params, use_tqdm=False)
-    again = llm.generate([PROMPT[:2], PROMPT], params, use_tqdm=False)
-    assert first[0].token_ids == again[1].token_ids and first[1].token_ids == again[0].token_ids
-    other = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=20, seed=8, ignore_eos=True), use_tqdm=False)
-    assert other[0].token_ids != first[0].token_ids
+    with LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64") as llm:
+        params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
+        first = llm.generate([PROMPT, PROMPT[:2]], params, use_tqdm=False)
+        again = llm.generate([PROMPT[:2], PROMPT], params, use_tqdm=False)
+        assert first[0].token_ids == again[1].token_ids and first[1].token_ids == again[0].token_ids
+        other = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=20, seed=8, ignore_eos=True), use_tqdm=False)
+        assert other[0].token_ids != first[0].token_ids
+
+
+@pytest.mark.parametrize("draft_probs", [True, False])
+def test_seeded_output_equals_the_reference_whatever_the_path(small_vocab_pair, draft_probs):
+    """Draws are keyed by (seed, position): the engine's sampled output equals the single-process
+    oracle token for token, with and without drafting ahead, batched, with adaptive k."""
+    from specserve.reference import reference_generate
+
+    target, draft = small_vocab_pair
+    tm = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    dm = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float64).eval()
+    prompts = [PROMPT, PROMPT[:2], [5, 5, 5, 5], [0]]
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, max_tokens=16, seed=s, ignore_eos=True)
+              for s, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 4, 1.0), (1.2, 0, 0.7), (0.0, 0, 1.0)])]
+    ref = [reference_generate(tm, pr, sp, dm, 3, draft_probs=draft_probs) for pr, sp in zip(prompts, params)]
+    for ahead in (False, True):
+        with LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64", adaptive=False, draft_ahead=ahead,
+                 draft_probs=draft_probs) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,7 +16,8 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(12, 40))]
 
 @pytest.fixture(scope="module")
 def llm(tiny_pair):
-    return LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64")
+    with LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", adaptive=False) as llm:
+        yield llm
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,10 @@ def free_run(tiny_pair):
 def assert_caches_empty(llm):
     engine = llm._engine
     assert engine.target.num_seqs == 0 and engine.target.backend.num_seqs == 0
-    assert engine.draft.num_seqs == 0 and engine.draft.drafter.backend.num_seqs == 0
+    deadline = time.time() + 5  # closes reach the draft with the next request, or when the engine idles
+    while engine.draft_service.num_seqs and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.draft_service.num_seqs == 0 and engine.draft_service.drafter.backend.num_seqs == 0
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 7, 9, 17])
@@ -48,7 +54,7 @@ def test_stop_token_ids_cut_inside_an_accepted_block(llm, free_run):
 
 def test_eos_stops_unless_ignored(tiny_pair, free_run):
     eos = free_run[0][3]
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64")
+    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", adaptive=False)
     llm._engine.target.eos_token_ids = {eos}
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
     assert out.token_ids == free_run[0][: free_run[0].index(eos) + 1] and out.finish_reason == "stop"
@@ -85,6 +91,7 @@ def test_later_requests_unaffected_by_earlier_stops(llm, free_run):
 
 
 def test_context_limit_finishes_with_length(tiny_pair):
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", max_model_len=20)
+    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", max_model_len=20,
+              adaptive=False)
     out = llm.generate([list(range(5, 15))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"

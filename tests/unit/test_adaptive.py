@@ -1,0 +1,73 @@
+"""Speculation length from measured goodput: picks the k the cost model says, and k=0 when it never pays."""
+
+from __future__ import annotations
+
+from specserve.adaptive import SpeculationController
+
+
+def feed(ctrl: SpeculationController, batch: int, acceptance: float, t_target1: float, per_token: float, link: float,
+         draft_step: float, steps: int = 300) -> list[int]:
+    """Simulate steps whose costs follow the given model; returns the ks the controller chose."""
+    chosen = []
+    for _ in range(steps):
+        k = ctrl.choose(batch)
+        chosen.append(k)
+        t_target = t_target1 + per_token * k * batch
+        if k:
+            accepted = 0
+            while accepted < k and (hash((len(chosen), accepted)) % 1000) / 1000 < acceptance:
+                accepted += 1
+            ctrl.observe_acceptance(k, accepted)
+            ctrl.observe_step(batch, k + 1, t_target, wait_s=link + k * draft_step, draft_compute_s=k * draft_step,
+                              draft_forward_s=k * draft_step, draft_step_s=draft_step)
+        else:
+            ctrl.observe_step(batch, 1, t_target)
+    return chosen
+
+
+def settled(chosen: list[int]) -> int:
+    tail = chosen[-100:]
+    return max(set(tail), key=tail.count)
+
+
+def test_slow_target_fast_draft_speculates_deeply():
+    # A 32B target on a Spark (~250 ms/step, memory bound) and a draft at ~2 ms: long blocks pay.
+    ctrl = SpeculationController(max_k=8)
+    k = settled(feed(ctrl, batch=1, acceptance=0.8, t_target1=0.25, per_token=0.002, link=0.001, draft_step=0.002))
+    assert k >= 6
+    table = ctrl.predict(1)
+    assert table[k]["speedup"] > 2.0
+
+
+def test_draft_as_slow_as_target_turns_speculation_off():
+    ctrl = SpeculationController(max_k=8)
+    k = settled(feed(ctrl, batch=1, acceptance=0.5, t_target1=0.003, per_token=0.001, link=0.002, draft_step=0.003))
+    assert k == 0
+
+
+def test_large_batches_on_a_compute_bound_target_need_less_speculation():
+    slow = SpeculationController(max_k=8)
+    k_small = settled(feed(slow, batch=1, acceptance=0.7, t_target1=0.02, per_token=0.0005, link=0.0005, draft_step=0.001))
+    busy = SpeculationController(max_k=8)
+    k_large = settled(feed(busy, batch=32, acceptance=0.7, t_target1=0.02, per_token=0.0005, link=0.0005, draft_step=0.001))
+    assert k_large < k_small
+
+
+def test_fixed_k_when_not_adaptive_and_zero_without_a_draft():
+    ctrl = SpeculationController(max_k=5, adaptive=False)
+    assert {ctrl.choose(4) for _ in range(50)} == {5}
+    assert ctrl.choose(4, have_draft=False) == 0
+
+
+def test_speculation_off_is_probed_again():
+    ctrl = SpeculationController(max_k=4, probe_every=16)
+    chosen = feed(ctrl, batch=1, acceptance=0.3, t_target1=0.003, per_token=0.001, link=0.003, draft_step=0.003, steps=200)
+    tail = chosen[-100:]
+    assert tail.count(0) > 80 and any(k > 0 for k in tail)  # mostly off, but still measuring
+
+
+def test_expected_tokens_follow_per_position_acceptance():
+    ctrl = SpeculationController(max_k=3)
+    ctrl.acceptance = [0.5, 0.5, 0.5]
+    assert ctrl.expected_tokens(0) == 1.0
+    assert ctrl.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125

@@ -1,0 +1,96 @@
+"""The draft side: O(1) rollback from verify results, and the speculation cache (drafting ahead)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve.backends.hf import HFBackend
+from specserve.draft import DraftSide, ModelDrafter
+from specserve.messages import OpenSeq, ProposeRequest, VerifyResult
+
+
+def rescan_common_prefix(fed: list[int], committed: list[int]) -> int:
+    """The rollback rule before this change: compare what was fed with what is committed."""
+    n = 0
+    while n < min(len(fed), len(committed)) and fed[n] == committed[n]:
+        n += 1
+    return min(n, len(committed) - 1)
+
+
+def greedy_drafts(model, context: list[int], k: int) -> list[int]:
+    out = []
+    with torch.no_grad():
+        for _ in range(k):
+            out.append(int(model(torch.tensor([context + out])).logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_o1_rollback_matches_rescan_on_random_traces(tiny_pair, ahead):
+    """Random accept/reject/bonus traces: after every verify result the draft keeps exactly the
+    KV the old full rescan kept, and its next block equals greedy drafting from scratch."""
+    rng = random.Random(7)
+    backend = HFBackend(tiny_pair["perturbed"], dtype="float64")
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["perturbed"], dtype=torch.float64).eval()
+    side = DraftSide(ModelDrafter(backend, fanout=2 if ahead else 0))
+    prompts = {f"r{i}": [rng.randrange(4, 60) for _ in range(rng.randrange(1, 9))] for i in range(3)}
+    for rid, p in prompts.items():
+        side.open(OpenSeq(rid, p))
+    committed = {rid: list(p) for rid, p in prompts.items()}
+    hits = 0
+    for step in range(25):
+        ks = [rng.randrange(1, 6) for _ in prompts]
+        reply = side.handle(ProposeRequest(step, [], [], [], list(prompts), ks))
+        for block, k in zip(reply.blocks, ks):
+            assert block.base_len == len(committed[block.request_id])
+            assert block.draft_token_ids == greedy_drafts(model, committed[block.request_id], k)
+            hits += block.cache_hit
+        side.prepare()  # drafting ahead moves the KV too (the glue forward feeds the whole block)
+        for block in reply.blocks:
+            rid, seq = block.request_id, side.seqs[block.request_id]
+            drafts = block.draft_token_ids
+            fed = (committed[rid] + drafts)[: seq.num_fed]
+            assert backend.num_cached(seq.key) == seq.num_fed
+            a = rng.randrange(0, len(drafts) + 1)
+            # The next token: a genuine rejection never re-emits the rejected draft. Half the time
+            # take the draft's own next-likeliest token, so the speculation cache can hit.
+            cands = seq.block_cands[a][0] if seq.block_cands and a < len(seq.block_cands) else []
+            options = [t for t in (cands if rng.random() < 0.5 else []) + [rng.randrange(4, 60) for _ in range(8)]
+                       if a == len(drafts) or t != drafts[a]]
+            appended = drafts[:a] + [options[0]]
+            new_committed = committed[rid] + appended
+            kept_by_rescan = rescan_common_prefix(fed, new_committed)
+            before = seq.num_fed
+            side.apply(seq, VerifyResult(rid, block.base_len, a, appended))
+            assert seq.num_fed == min(before, block.base_len + a) == min(before, kept_by_rescan)
+            assert seq.token_ids == new_committed
+            assert backend.num_cached(seq.key) == seq.num_fed
+            committed[rid] = new_committed
+    if ahead:
+        assert hits > 0, "the random traces never hit the speculation cache"
+
+
+def test_apply_is_constant_time_in_the_context_length(tiny_pair):
+    """The rollback touches the tail only: a long committed list is never copied or rescanned."""
+    backend = HFBackend(tiny_pair["perturbed"], dtype="float64", max_model_len=256)
+    side = DraftSide(ModelDrafter(backend))
+
+    class CountingList(list):
+        copies = 0
+
+        def __getitem__(self, i):
+            if isinstance(i, slice) and (i.stop or len(self)) - (i.start or 0) > 16:
+                CountingList.copies += 1
+            return super().__getitem__(i)
+
+    side.open(OpenSeq("r", [5] * 200))
+    seq = side.seqs["r"]
+    seq.token_ids = CountingList(seq.token_ids)
+    side.handle(ProposeRequest(1, [], [], [], ["r"], [4]))
+    CountingList.copies = 0
+    side.apply(seq, VerifyResult("r", 200, 2, seq.block[:2] + [7]))
+    assert CountingList.copies == 0 and len(seq.token_ids) == 203

@@ -1,0 +1,181 @@
+"""The one engine loop: concurrent streams, request isolation, and an M:N draft pool over TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.adaptive import SpeculationController
+from specserve.build import build_draft_service, build_target
+from specserve.config import SpecserveConfig
+from specserve.engine import EngineCore, EngineLoop, RequestFailed
+from specserve.messages import Hello
+from specserve.pool import DraftPool
+from specserve.reference import reference_generate
+from specserve.target import TargetSide
+from specserve.transport import DraftServer, SocketEndpoint
+
+PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(12)]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_pair):
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float64).eval()
+    return [reference_generate(target, p, GREEDY) for p in PROMPTS]
+
+
+def test_concurrent_streams_equal_generate(tiny_pair, reference):
+    """Two or more LLM.stream() calls at once: each gets exactly its own tokens."""
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        async def one(i):
+            toks = []
+            async for d in llm.stream(PROMPTS[i], GREEDY):
+                toks += d.token_ids
+            return toks
+
+        async def main():
+            return await asyncio.gather(*[one(i) for i in range(len(PROMPTS))])
+
+        assert asyncio.run(main()) == reference
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+
+
+def test_one_failing_sequence_fails_alone(tiny_pair, reference, monkeypatch):
+    """A sequence that raises while its tokens are committed gets the error; the batch carries on."""
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        original = TargetSide._commit
+
+        def commit(self, s, *args):
+            if s.token_ids[: len(PROMPTS[4])] == PROMPTS[4] and len(s.token_ids) > len(PROMPTS[4]) + 5:
+                raise RuntimeError("boom")
+            return original(self, s, *args)
+
+        monkeypatch.setattr(TargetSide, "_commit", commit)
+
+        async def one(i):
+            toks = []
+            try:
+                async for d in llm.stream(PROMPTS[i], GREEDY):
+                    toks += d.token_ids
+            except RequestFailed as exc:
+                return exc
+            return toks
+
+        async def main():
+            return await asyncio.gather(*[one(i) for i in range(len(PROMPTS))])
+
+        results = asyncio.run(main())
+        assert isinstance(results[4], RequestFailed) and "boom" in str(results[4])
+        assert [r for i, r in enumerate(results) if i != 4] == [r for i, r in enumerate(reference) if i != 4]
+        monkeypatch.setattr(TargetSide, "_commit", original)
+        assert llm.generate([PROMPTS[4]], GREEDY, use_tqdm=False)[0].token_ids == reference[4]
+
+
+def test_a_forward_that_raises_is_narrowed_to_its_rows(tiny_pair, reference, monkeypatch):
+    """A batched target forward that fails is retried on halves until the failing row is alone."""
+    with LLM(tiny_pair["target"], draft=None, dtype="float64") as llm:
+        backend = llm._engine.target.backend
+        original = type(backend).forward
+        poison = PROMPTS[7]
+
+        def forward(self, seq_ids, token_ids, num_logits):
+            seqs = llm._engine.target.seqs
+            if any(seqs[s].token_ids[: len(poison)] == poison and len(seqs[s].token_ids) > len(poison) + 3
+                   for s in seq_ids if s in seqs):
+                raise RuntimeError("bad row")
+            return original(self, seq_ids, token_ids, num_logits)
+
+        monkeypatch.setattr(type(backend), "forward", forward)
+        done, failed = {}, {}
+
+        def sink_for(i):
+            def sink(item):
+                if isinstance(item, Exception):
+                    failed[i] = item
+                else:
+                    done.setdefault(i, []).extend(item.token_ids)
+            return sink
+
+        for i, p in enumerate(PROMPTS):
+            llm._engine.loop.submit(f"r{i}", p, GREEDY, sink_for(i))
+        deadline = time.time() + 30
+        while len(failed) + sum(len(v) == GREEDY.max_tokens for v in done.values()) < len(PROMPTS) and time.time() < deadline:
+            time.sleep(0.02)
+        assert list(failed) == [7]
+        assert {i: done[i] for i in done if i != 7} == {i: reference[i] for i in range(len(PROMPTS)) if i != 7}
+
+
+def make_core(tiny_pair, drafts: dict, k=3) -> EngineCore:
+    cfg = SpecserveConfig.load(target=tiny_pair["target"], draft=tiny_pair["perturbed"], dtype="float64",
+                               num_speculative_tokens=k, adaptive=False)
+    target = build_target(cfg)
+    core = EngineCore(target, None, SpeculationController(k, adaptive=False), 64)
+    core.pool = DraftPool(discover=lambda: dict(drafts), connect=lambda name, address: SocketEndpoint(address),
+                          hello=Hello("t0", target.vocab_fingerprint()), reopen=core.reopen, background=True, refresh_s=0.1)
+    return core, cfg
+
+
+def test_two_drafts_over_tcp_share_sequences_and_survive_one_dying(tiny_pair, reference):
+    cfg = SpecserveConfig.load(target=tiny_pair["target"], draft=tiny_pair["perturbed"], dtype="float64")
+    servers = [DraftServer(build_draft_service(cfg, f"d{i}"), host="127.0.0.1", advertise_host="127.0.0.1") for i in range(2)]
+    core, _ = make_core(tiny_pair, {f"d{i}": s.address for i, s in enumerate(servers)})
+    loop = EngineLoop(core)
+    try:
+        deadline = time.time() + 10
+        while len(core.pool.drafts) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(core.pool.drafts) == 2
+        outs: dict[int, list[int]] = {}
+        errors = []
+        done = set()
+
+        def sink_for(i):
+            def sink(item):
+                if isinstance(item, Exception):
+                    errors.append(item)
+                    return
+                outs.setdefault(i, []).extend(item.token_ids)
+                if item.finished:
+                    done.add(i)
+            return sink
+
+        for i, p in enumerate(PROMPTS):
+            loop.submit(f"r{i}", p, GREEDY, sink_for(i))
+        while core.counters["num_speculative_steps"] < 3:
+            time.sleep(0.005)
+        assert all(d.seqs for d in core.pool.drafts.values())  # sequences spread over both drafts
+        assert {s.service.num_seqs > 0 for s in servers} == {True}
+        servers[0].close()  # kill one draft mid-run
+        deadline = time.time() + 60
+        while len(done) + len(errors) < len(PROMPTS) and time.time() < deadline:
+            time.sleep(0.02)
+        assert errors == []
+        assert [outs[i] for i in range(len(PROMPTS))] == reference
+        status = core.pool.status()
+        assert status["num_draft_failures"] == 1 and status["num_resyncs"] > 0 and status["num_drafts_up"] == 1
+        assert core.totals.num_accepted_tokens > 0
+    finally:
+        loop.shutdown()
+        for s in servers:
+            s.close()
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path):
+    from ..conftest import make_model
+
+    make_model(tmp_path / "big", vocab_size=80)
+    cfg = SpecserveConfig.load(target=str(tmp_path / "big"), draft=str(tmp_path / "big"))
+    server = DraftServer(build_draft_service(cfg, "wrong"), host="127.0.0.1", advertise_host="127.0.0.1")
+    core, _ = make_core(tiny_pair, {"wrong": server.address})
+    try:
+        core.pool.wait_for_drafts(10)
+        assert not core.pool.drafts and "vocab_size 80 (draft) != 64 (target)" in core.pool.refused["wrong"]
+    finally:
+        core.pool.shutdown()
+        server.close()
