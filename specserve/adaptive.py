@@ -145,6 +145,6 @@ class SpeculationController:
         return self.k
 
     def state(self) -> dict:
-        return {"k": self.k, "acceptance_per_pos": list(self.acceptance), "link_ms": (self.link_s or 0.0) * 1e3,
+        return {"k": self.k, "max_k": self.max_k, "acceptance_per_pos": list(self.acceptance), "link_ms": (self.link_s or 0.0) * 1e3,
                 "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate,
                 "adaptive": self.adaptive}

@@ -83,6 +83,11 @@ class StepDelta:
     num_accepted_tokens: int = 0
     fallback: bool = False
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepDelta":
+        """From the dict a worker streams (which may carry extra keys, e.g. the replica's name)."""
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
 
 @dataclass
 class RequestOutput:

@@ -1,14 +1,18 @@
 """Per-request sampling parameters, with vLLM's names and semantics.
 
 A frozen dataclass validated in ``__post_init__``: every bad value raises ``ValueError``
-naming the field, before any request reaches a model.
+naming the field, before any request reaches a model. The ranges are the ones the engine,
+the generator and the wire accept, so a valid value can never fail later.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .rng import MAX_SEED
+
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+_MAX_INT32 = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -40,22 +44,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k <= _MAX_INT32:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or in [1, {_MAX_INT32}], got {self.top_k}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.max_tokens <= _MAX_INT32:
+            raise ValueError(f"max_tokens must be in [1, {_MAX_INT32}], got {self.max_tokens}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= _MAX_INT32:
+                raise ValueError(f"stop_token_ids must be integers in [0, {_MAX_INT32}], got {t!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}] or None, got {self.seed!r}")
         if self.temperature < _GREEDY_EPS:
             object.__setattr__(self, "temperature", 0.0)
 
@@ -70,5 +74,5 @@ class SamplingParams:
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value:  # NaN
-        raise ValueError(f"{name} must be a number, got NaN")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {value}")

@@ -153,7 +153,7 @@ class RayEngine:
                 except Exception as exc:
                     raise unwrap(exc) from None
                 finished = d["finished"]
-                yield StepDelta(**d)
+                yield StepDelta.from_dict(d)
         finally:
             if not finished:
                 ray.cancel(gen)

@@ -2,10 +2,11 @@
 
 Both are plain classes: ``ray.remote(cls)`` for the batch API, ``serve.deployment(cls)`` for
 HTTP (``specserve.serve``), same code. A ``DraftWorker`` loads only the draft, serves it on
-a TCP port (``transport.DraftServer``) and, under Serve, registers that address with the
-``DraftDirectory`` every couple of seconds. A ``TargetWorker`` loads only the target, runs
+a TCP port (``transport.DraftServer``) and, under Serve, announces that address (and its metrics)
+to the ``Registry`` four times a second. A ``TargetWorker`` loads only the target, runs
 the engine loop on its own thread and finds its drafts through ``discover`` (the draft
-actors' current addresses, or the directory), connecting to each over TCP. Requests come in
+actors' current addresses, or the registry), connecting to each over TCP; under Serve it
+announces its metrics too, which is how the router knows it is alive. Requests come in
 through ``stream`` (an async generator: Ray streaming or Serve ``stream=True``) and
 ``generate``; a consumer that goes away aborts its request on both sides.
 """
@@ -27,8 +28,8 @@ from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
 
-DIRECTORY_TTL_S = 6.0  # a draft not heard from for this long is no longer listed
-REGISTER_EVERY_S = 2.0
+ANNOUNCE_EVERY_S = 0.25  # how often each replica tells the registry it is alive (and its metrics)
+REGISTRY_TTL_S = 1.5  # a replica not heard from for this long is no longer listed
 
 
 def node_info() -> dict:
@@ -39,25 +40,63 @@ def node_info() -> dict:
             "ip": ray.util.get_node_ip_address()}
 
 
-class DraftDirectory:
-    """Where draft replicas announce their TCP address and targets look them up (Serve only)."""
+class Registry:
+    """Where Serve replicas announce themselves: drafts their TCP address, every side its metrics.
+
+    Targets find drafts here; the router reads liveness (fast 503 when no target lives),
+    health and aggregated metrics here, without calling a model actor on the request path.
+    """
 
     def __init__(self):
-        self.entries: dict[str, tuple[str, float]] = {}
+        self.entries: dict[tuple[str, str], tuple[dict, float]] = {}
 
-    def register(self, name: str, address: str) -> None:
-        self.entries[name] = (address, time.monotonic())
+    def announce(self, kind: str, name: str, payload: dict) -> None:
+        self.entries[(kind, name)] = (payload, time.monotonic())
 
-    def unregister(self, name: str) -> None:
-        self.entries.pop(name, None)
+    def withdraw(self, kind: str, name: str) -> None:
+        self.entries.pop((kind, name), None)
 
-    def list(self) -> dict[str, str]:
+    def snapshot(self) -> dict[str, dict[str, dict]]:
         now = time.monotonic()
-        return {n: a for n, (a, seen) in self.entries.items() if now - seen < DIRECTORY_TTL_S}
+        out: dict[str, dict[str, dict]] = {"draft": {}, "target": {}}
+        for (kind, name), (payload, seen) in list(self.entries.items()):
+            if now - seen < REGISTRY_TTL_S:
+                out.setdefault(kind, {})[name] = payload
+            elif now - seen > 60:
+                del self.entries[(kind, name)]
+        return out
+
+    def drafts(self) -> dict[str, str]:
+        return {name: p["address"] for name, p in self.snapshot()["draft"].items()}
+
+
+class _Announcer:
+    """Background thread: announce (kind, name, payload()) to the registry until stopped."""
+
+    def __init__(self, registry, kind: str, name: str, payload):
+        self.registry, self.kind, self.name, self.payload = registry, kind, name, payload
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name=f"specserve-announce-{kind}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.registry.announce.remote(self.kind, self.name, self.payload()).result(timeout_s=5)
+            except Exception as exc:  # the registry restarts or is busy: try again shortly
+                logger.debug("%s %s could not announce itself: %s", self.kind, self.name, exc)
+            if self._stop.wait(ANNOUNCE_EVERY_S):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.registry.withdraw.remote(self.kind, self.name)
+        except Exception:  # shutting down: the registry may be gone
+            pass
 
 
 class DraftWorker:
-    def __init__(self, config: dict, directory=None, name: str | None = None):
+    def __init__(self, config: dict, registry=None, name: str | None = None):
         from ..build import build_draft_service, set_cpu_threads
         from ..transport import DraftServer
 
@@ -71,19 +110,7 @@ class DraftWorker:
         self.server = DraftServer(self.service, port=self.config.channel.draft_port)
         self.info = {**info, "name": self.name, "address": self.server.address, "load_s": time.perf_counter() - started}
         logger.info("draft %s serving at %s (loaded in %.1fs)", self.name, self.server.address, self.info["load_s"])
-        self.directory = directory
-        self._stop = threading.Event()
-        if directory is not None:
-            threading.Thread(target=self._announce, name="specserve-draft-announce", daemon=True).start()
-
-    def _announce(self) -> None:
-        while True:
-            try:
-                self.directory.register.remote(self.name, self.server.address).result(timeout_s=5)
-            except Exception as exc:  # the directory restarts or is busy: try again shortly
-                logger.debug("draft %s could not register: %s", self.name, exc)
-            if self._stop.wait(REGISTER_EVERY_S):
-                return
+        self._announcer = _Announcer(registry, "draft", self.name, self.metrics) if registry is not None else None
 
     def address(self) -> str:
         return self.server.address
@@ -104,22 +131,21 @@ class DraftWorker:
     def num_seqs(self) -> int:
         return self.service.num_seqs
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve autoscaling: the sequences this draft holds (its load; requests bypass Serve's handles)."""
+        return {"num_seqs": float(self.service.num_seqs)}
+
     def __del__(self):
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
-            if self.directory is not None:
-                try:
-                    self.directory.unregister.remote(self.name)
-                except Exception:  # shutting down: the directory may be gone
-                    pass
+        announcer = getattr(self, "_announcer", None)
+        if announcer is not None:
+            announcer.stop()
         server = getattr(self, "server", None)
         if server is not None:
             server.close()
 
 
 class TargetWorker:
-    def __init__(self, config: dict, drafts: list | None = None, directory=None, name: str | None = None):
+    def __init__(self, config: dict, drafts: list | None = None, registry=None, draft_deployment=None, name: str | None = None):
         from ..adaptive import SpeculationController
         from ..build import build_target, set_cpu_threads
         from ..engine import EngineCore, EngineLoop
@@ -139,7 +165,7 @@ class TargetWorker:
         controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
         core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
         self.draft_actors = list(drafts or [])
-        self.directory = directory
+        self.registry = registry  # Serve: drafts are found here (draft_deployment only ties the app graph together)
         if cfg.speculative:
             delay = cfg.channel.delay_ms
             core.pool = DraftPool(
@@ -152,13 +178,14 @@ class TargetWorker:
                      "vocab": target.vocab_fingerprint(), "load_s": time.perf_counter() - started,
                      "has_tokenizer": target.tokenizer is not None,
                      "has_chat_template": bool(getattr(target.tokenizer, "chat_template", None))}
+        self._announcer = _Announcer(registry, "target", self.name, self.metrics) if registry is not None else None
         logger.info("target %s ready (loaded in %.1fs)", self.name, self.info["load_s"])
 
     def _discover(self) -> dict[str, str]:
         import ray
 
-        if self.directory is not None:
-            return self.directory.list.remote().result(timeout_s=5)
+        if self.registry is not None:
+            return self.registry.drafts.remote().result(timeout_s=5)
         found = {}
         refs = {i: h.address.remote() for i, h in enumerate(self.draft_actors)}
         for i, ref in refs.items():
@@ -208,7 +235,7 @@ class TargetWorker:
                     finished = True
                     raise item
                 finished = item.finished
-                yield asdict(item)
+                yield {**asdict(item), "source": self.name}
         finally:
             if not finished:  # cancelled or disconnected: free the state on both sides
                 self.loop.abort(request_id)
@@ -216,7 +243,7 @@ class TargetWorker:
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
         out = RequestOutput(request_id, None, list(token_ids))
         async for d in self.stream(request_id, token_ids, params):
-            out.add(StepDelta(**d))
+            out.add(StepDelta.from_dict(d))
         return {"request_id": request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict()}
 
@@ -240,6 +267,9 @@ class TargetWorker:
         return self.loop.core.num_running + len(self.loop.core.waiting)
 
     def __del__(self):
+        announcer = getattr(self, "_announcer", None)
+        if announcer is not None:
+            announcer.stop()
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown()

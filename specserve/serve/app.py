@@ -1,17 +1,20 @@
-"""The Ray Serve application: a FastAPI router speaking OpenAI's HTTP API.
+"""The Ray Serve application: Registry, Draft and Target deployments behind an OpenAI router.
 
-Data flow: HTTP request -> pydantic validation (400 in OpenAI's error envelope) ->
-prompt tokens (chat template for chat) -> ``RayEngine.stream`` on the placed target
-actor, which drives the draft actor -> SSE chunks or one JSON body. A client that
-disconnects cancels the handler, whose stream cancellation frees the request on both
-sides. Speculation stats travel in the vendor field ``specserve``.
+Data flow: HTTP -> ``EdgeMiddleware`` (key, size, admission: before the body is read) ->
+pydantic validation (400 in OpenAI's envelope) -> tokens (a thread, off the event loop;
+chat template for chat) -> the least-loaded ``Target`` replica (Serve's handle) -> its
+engine asks its sequences' ``Draft`` replicas over TCP -> SSE chunks or one JSON body. The
+router owns no model actor: targets and drafts are deployments Serve places, health-checks,
+restarts and scales (``serve status`` shows all four). Replicas announce themselves to the
+``Registry``; the router reads liveness there (no live target: 503 at once), health and
+aggregated metrics. A stream's first chunk is awaited before the 200 is sent, so streaming
+and non-streaming requests fail the same way; later failures travel in-band.
 """
-
+# No `from __future__ import annotations` here: Serve's ingress reads the endpoints' real annotations.
 
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
@@ -22,12 +25,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..outputs import RequestOutput
+from ..config import SpecserveConfig
+from ..outputs import RequestOutput, StepDelta
+from .edge import EdgeLimits, EdgeMiddleware, error_body
 from .metrics import prometheus_text
-from .protocol import ChatCompletionRequest, CompletionRequest, ServeArgs
+from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 logger = logging.getLogger("specserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+REGISTRY_POLL_S = 0.25
 
 
 class APIError(Exception):
@@ -36,21 +42,52 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
 
-
-def error_body(message: str, type_: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status, headers=exc.headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
 
 
-fastapi_app = FastAPI(title="specserve", description="OpenAI-compatible speculative decoding, draft and target disaggregated.")
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", code="service_unavailable", headers={"Retry-After": "2"})
+
+
+_ERRORS = {
+    400: "Invalid request: malformed JSON, a field of the wrong type or out of range, an unsupported field.",
+    401: "Missing or invalid API key.",
+    404: "Unknown model or path.",
+    413: "Request body too large.",
+    429: "Too many requests in flight; retry after the Retry-After seconds.",
+    503: "No target replica is available (starting or restarting); retry after the Retry-After seconds.",
+}
+ERROR_RESPONSES = {code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()}
+
+fastapi_app = FastAPI(title="specserve",
+                      description="OpenAI-compatible speculative decoding; the draft and the target run on different machines.")
+fastapi_app.add_middleware(EdgeMiddleware)
+
+
+def _openapi():
+    """FastAPI documents 422 for bodies; this server answers 400 in OpenAI's envelope instead."""
+    if fastapi_app.openapi_schema:
+        return fastapi_app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=fastapi_app.title, version="1", description=fastapi_app.description, routes=fastapi_app.routes)
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    fastapi_app.openapi_schema = schema
+    return schema
+
+
+fastapi_app.openapi = _openapi
 
 
 @fastapi_app.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError):
-    return _error_response(exc)
+    return exc.response()
 
 
 @fastapi_app.exception_handler(RequestValidationError)
@@ -59,87 +96,131 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", []) if x != "body"]
     param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        msg = f"request body is not valid JSON: {first.get('msg')}"
-    elif first.get("type") == "extra_forbidden":
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        msg = "request body is not valid JSON"
+    elif kind == "extra_forbidden":
         msg = f"unsupported field: {param}"
+    elif kind == "model_attributes_type" or (kind.endswith("_type") and not loc):
+        msg = "request body must be a JSON object"
     else:
-        msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}"
-        msg = msg.replace("Value error, ", "")
-    return _error_response(APIError(400, msg, param=param))
+        msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}".replace("Value error, ", "")
+    return APIError(400, msg[:500], param=param).response()
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _error_response(APIError(exc.status_code, str(exc.detail), type_))
+    return APIError(exc.status_code, str(exc.detail), type_).response()
+
+
+@fastapi_app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception):
+    logger.exception("unexpected error serving %s", request.url.path)
+    return APIError(500, "internal error; the server logs have the details", "server_error").response()
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-@serve.deployment(max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0.1})
+def _is_dead_replica(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or \
+        type(exc).__name__ in ("DeploymentUnavailableError", "ActorDiedError")
+
+
 @serve.ingress(fastapi_app)
 class Router:
-    def __init__(self, args: dict):
-        from ..distributed.client import RayEngine
-
-        self.args = ServeArgs(**args)
-        self.api_key = self.args.api_key or os.environ.get("SPECSERVE_API_KEY") or None
-        self.model_name = self.args.model_name or Path(self.args.target.rstrip("/")).name
-        self.engine = RayEngine(self.args.engine_config(), self.args.placement())
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.target_info["max_model_len"]
+    def __init__(self, config: dict, target, registry):
+        self.cfg = SpecserveConfig.load(config)
+        server = self.cfg.server
+        key = server.api_key
+        if key is None and server.api_key_file:
+            key = Path(server.api_key_file).read_text().strip()
+        self.edge = EdgeLimits(key, server.open_metrics, server.max_pending_requests, server.max_request_bytes)
+        fastapi_app.state.edge_limits = self.edge
+        self.model_name = self.cfg.model_name
+        self.target = target
+        self.registry = registry
+        self.snapshot: dict = {"draft": {}, "target": {}}
+        self.snapshot_at = 0.0
+        self.last_target_ok = 0.0
+        self.info: dict | None = None
+        self.tokenizer = None
+        self._info_lock = asyncio.Lock()
+        self._poller: asyncio.Task | None = None
         self.created = int(time.time())
-        self.in_flight = 0
+
+    # -- the registry ---------------------------------------------------------------------------
+    async def _poll_registry(self) -> None:
+        while True:
+            try:
+                self.snapshot = await asyncio.wait_for(self.registry.snapshot.remote(), timeout=2)
+                self.snapshot_at = time.monotonic()
+            except Exception as exc:  # the registry restarts: keep the last snapshot, say it is stale
+                logger.debug("registry poll failed: %s", exc)
+            await asyncio.sleep(REGISTRY_POLL_S)
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_registry())
+
+    def targets_alive(self) -> bool:
+        fresh = time.monotonic() - self.snapshot_at < 3.0
+        return bool(self.snapshot["target"]) or not fresh or time.monotonic() - self.last_target_ok < 1.0
+
+    async def _ready(self) -> None:
+        """Target info and tokenizer, fetched once from a target replica (no model files here)."""
+        self._ensure_poller()
+        if self.info is not None:
+            if not self.targets_alive():
+                raise unavailable("no target replica is available (it is restarting); retry shortly")
+            return
+        async with self._info_lock:
+            if self.info is not None:
+                return
+            try:
+                info = await asyncio.wait_for(self.target.ready.remote(), timeout=10)
+                files = await asyncio.wait_for(self.target.tokenizer_files.remote(), timeout=30)
+            except Exception as exc:
+                logger.warning("target not ready: %s", exc)
+                raise unavailable("the target is not ready yet; retry shortly") from None
+            from ..distributed.client import load_tokenizer_from_files
+
+            self.tokenizer = await asyncio.to_thread(load_tokenizer_from_files, files)
+            self.info = info
+            self.last_target_ok = time.monotonic()
 
     async def check_health(self) -> None:
-        """Serve's replica health check: an unreachable target makes the replica unhealthy
-        (Serve replaces it, and with it the target and draft actors it owns)."""
-        await asyncio.wait_for(self.engine.target.metrics.remote(), timeout=30)
+        """Serve's replica health check: the router is healthy when its event loop runs."""
 
-    def __del__(self):
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            try:
-                engine.shutdown()
-            except Exception:  # interpreter shutdown: Ray may already be gone
-                pass
-
-    # -- helpers --------------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                           code="invalid_api_key")
-
+    # -- helpers ----------------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def _admit(self) -> None:
-        if self.in_flight >= self.args.max_pending_requests:
-            raise APIError(429, f"server is at capacity ({self.in_flight} requests in flight); retry shortly",
-                           "rate_limit_error", code="too_many_requests", headers={"Retry-After": "1"})
-
-    def _tokens(self, prompt) -> list[int]:
+    async def _tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-            return self.tokenizer.encode(prompt)
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+        vocab = self.info["vocab"]["vocab_size"]
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[:3]}", param="prompt")
         return list(prompt)
 
     def _check_lengths(self, token_ids: list[int], max_tokens: int) -> None:
-        if len(token_ids) + max_tokens > self.max_model_len:
+        limit = self.info["max_model_len"]
+        if len(token_ids) >= limit or len(token_ids) + max_tokens > limit:
             raise APIError(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, {max_tokens} for the completion).",
-                param="max_tokens" if len(token_ids) < self.max_model_len else "prompt", code="context_length_exceeded",
+                param="max_tokens" if len(token_ids) < limit else "prompt", code="context_length_exceeded",
             )
 
     def _params(self, body, default_max_tokens: int, token_ids: list[int]):
@@ -148,97 +229,136 @@ class Router:
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         self._check_lengths(token_ids, params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
         return params
 
-    # -- endpoints ------------------------------------------------------------------------
-    @fastapi_app.get("/v1/models")
-    async def models(self, request: Request):
-        self._authorize(request)
+    # -- endpoints --------------------------------------------------------------------------------
+    @fastapi_app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+    async def models(self):
+        self._ensure_poller()
+        limit = self.info["max_model_len"] if self.info else None
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "specserve", "max_model_len": self.max_model_len}]}
+                                            "owned_by": "specserve", "max_model_len": limit}]}
 
-    @fastapi_app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        self._authorize(request)
+    @fastapi_app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
-        token_ids = self._tokens(body.prompt)
+        await self._ready()
+        token_ids = await self._tokens(body.prompt)
         params = self._params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, token_ids)
-        return await self._run("cmpl", "text_completion", token_ids, params, body)
+        return await self._run("cmpl", False, token_ids, params, body)
 
-    @fastapi_app.post("/v1/chat/completions")
-    async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._authorize(request)
+    @fastapi_app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat(self, body: ChatCompletionRequest):
         self._check_model(body.model)
+        await self._ready()
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+        def render():
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(token_ids, dict) or hasattr(token_ids, "input_ids"):
-            token_ids = token_ids["input_ids"]
-        params = self._params(body, self.max_model_len - len(token_ids), token_ids)
-        return await self._run("chatcmpl", "chat.completion", list(token_ids), params, body)
+            token_ids = await asyncio.to_thread(render)
+        except Exception as exc:  # a template that cannot render these messages is the request's fault
+            raise APIError(400, f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
+        params = self._params(body, max(1, self.info["max_model_len"] - len(token_ids)), token_ids)
+        return await self._run("chatcmpl", True, token_ids, params, body)
 
     @fastapi_app.get("/health")
     async def health(self):
-        try:
-            m = await self.engine.target.metrics.remote()
-        except Exception as exc:
-            return JSONResponse({"status": "unavailable", "target": "down", "detail": str(exc)}, status_code=503)
-        draft = "none" if not m["has_draft"] else ("up" if m["draft_up"] else "down")
-        status = "degraded" if draft == "down" else "ok"
-        return {"status": status, "target": "up", "draft": draft, "num_running": m["num_running"]}
+        self._ensure_poller()
+        if time.monotonic() - self.snapshot_at > 1.0:  # stale or never fetched: one quick refresh
+            try:
+                self.snapshot = await asyncio.wait_for(self.registry.snapshot.remote(), timeout=1.0)
+                self.snapshot_at = time.monotonic()
+            except Exception:  # answer from what we have, and say how old it is
+                pass
+        age = time.monotonic() - self.snapshot_at if self.snapshot_at else None
+        targets, drafts = self.snapshot["target"], self.snapshot["draft"]
+        body = {"targets": len(targets), "drafts": len(drafts), "registry_age_s": None if age is None else round(age, 2)}
+        if not targets:
+            return JSONResponse({"status": "unavailable", **body, "detail": "no target replica is alive"}, status_code=503)
+        speculative = self.cfg.speculative
+        degraded = speculative and (not drafts or any(not t.get("draft_up") for t in targets.values()))
+        return {"status": "degraded" if degraded else "ok", **body,
+                "draft": "none" if not speculative else ("up" if not degraded else "down"),
+                "num_running": sum(t.get("num_running", 0) for t in targets.values())}
 
     @fastapi_app.get("/metrics")
     async def metrics(self):
-        m = await self.engine.target.metrics.remote()
-        draft_seqs = None
-        if self.engine.draft is not None and m["draft_up"]:
-            try:
-                draft_seqs = await self.engine.draft.num_seqs.remote()
-            except Exception:
-                draft_seqs = None
-        return PlainTextResponse(prometheus_text(m, self.model_name, self.in_flight, draft_seqs),
+        self._ensure_poller()
+        age = time.monotonic() - self.snapshot_at if self.snapshot_at else -1.0
+        return PlainTextResponse(prometheus_text(self.snapshot, self.model_name, self.edge, age),
                                  media_type="text/plain; version=0.0.4")
 
-    # -- generation -----------------------------------------------------------------------
-    async def _run(self, prefix: str, kind: str, token_ids, params, body):
-        self._admit()
-        rid = f"{prefix}-{uuid.uuid4().hex}"
-        chat = kind == "chat.completion"
-        if body.stream:
-            return StreamingResponse(self._sse(rid, chat, token_ids, params, body.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.in_flight += 1
-        out = RequestOutput(rid, None, token_ids)
+    # -- generation -------------------------------------------------------------------------------
+    async def _start(self, rid: str, token_ids, params):
+        """Open the target stream and wait for its first chunk: errors before any output are HTTP errors."""
+        gen = self.target.options(stream=True).stream.remote(rid, list(token_ids), params.to_dict())
+        first = asyncio.ensure_future(gen.__anext__())
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=0.1)
+            if done:
+                break
+            if not self.targets_alive():
+                first.cancel()
+                gen.cancel()
+                raise unavailable("no target replica is available (it is restarting); retry shortly")
         try:
-            try:
-                async for d in self.engine.stream(token_ids, params, rid):
-                    out.add(d)
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
+            chunk = first.result()
+        except StopAsyncIteration:
+            raise APIError(500, f"the target ended request {rid} without output", "server_error") from None
+        except ValueError as exc:  # the target's own validation: the request's fault
+            raise APIError(400, str(exc).split("\n")[-1][:500]) from None
+        except Exception as exc:
+            if _is_dead_replica(exc):
+                raise unavailable("the target replica failed; retry shortly") from None
+            logger.exception("request %s failed before its first token", rid)
+            raise APIError(500, f"generation failed (request {rid}); the server logs have the details", "server_error") from None
+        self.last_target_ok = time.monotonic()
+        return gen, StepDelta.from_dict(chunk), chunk.get("source")
+
+    async def _run(self, prefix: str, chat: bool, token_ids, params, body):
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        gen, first, source = await self._start(rid, token_ids, params)
+        if body.stream:
+            return StreamingResponse(self._sse(rid, chat, gen, first, token_ids, body.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        out = RequestOutput(rid, None, token_ids)
+        out.add(first)
+        try:
+            if not first.finished:
+                async for chunk in gen:
+                    out.add(StepDelta.from_dict(chunk))
+        except Exception as exc:
+            logger.exception("request %s failed", rid)
+            if _is_dead_replica(exc):
+                raise unavailable(f"the target replica serving request {rid} failed; retry") from None
+            raise APIError(500, f"generation failed (request {rid}); the server logs have the details", "server_error") from None
         finally:
-            self.in_flight -= 1
-        text, tokens, finish = out.text, len(out.token_ids), out.finish_reason
-        choice = {"index": 0, "finish_reason": finish}
+            gen.cancel()
+        choice = {"index": 0, "finish_reason": out.finish_reason}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice.update(text=text, logprobs=None)
+            choice.update(text=out.text, logprobs=None)
         return {
-            "id": rid, "object": kind, "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": _usage(len(token_ids), tokens), "specserve": out.metrics.to_dict(),
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [choice], "usage": _usage(len(token_ids), len(out.token_ids)),
+            "specserve": {**out.metrics.to_dict(), "target": source},
         }
 
-    async def _sse(self, rid, chat, token_ids, params, include_usage):
+    async def _sse(self, rid, chat, gen, first: StepDelta, token_ids, include_usage):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created, out = int(time.time()), RequestOutput(rid, None, token_ids)
 
-        def chunk(text: str | None, finish, first=False) -> str:
+        def chunk(text: str | None, finish, first_chunk=False) -> str:
             if chat:
-                delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+                delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -247,29 +367,82 @@ class Router:
                 body["specserve"] = out.metrics.to_dict()
             return f"data: {json.dumps(body)}\n\n"
 
-        self.in_flight += 1
         try:
             if chat:
-                yield chunk("", None, first=True)
-            async for d in self.engine.stream(token_ids, params, rid):
+                yield chunk("", None, first_chunk=True)
+            d = first
+            while True:
                 out.add(d)
                 if d.text or d.finished:
                     yield chunk(d.text, d.finish_reason if d.finished else None)
+                if d.finished:
+                    break
+                d = StepDelta.from_dict(await gen.__anext__())
             if include_usage:
                 usage = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                          "usage": _usage(len(token_ids), len(out.token_ids))}
                 yield f"data: {json.dumps(usage)}\n\n"
-        except ValueError as exc:
-            yield f"data: {json.dumps(error_body(str(exc), 'invalid_request_error'))}\n\n"
-        except Exception as exc:  # after the stream started, errors must travel in-band
+        except Exception as exc:  # after the stream started, errors travel in-band, without internals
             logger.exception("stream %s failed", rid)
-            yield f"data: {json.dumps(error_body(f'generation failed: {exc}', 'server_error'))}\n\n"
+            message = (f"the target replica serving request {rid} failed; retry" if _is_dead_replica(exc)
+                       else f"generation failed (request {rid}); the server logs have the details")
+            yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
         finally:
-            self.in_flight -= 1
+            gen.cancel()
         yield "data: [DONE]\n\n"
 
 
+def _side_options(side, role: str, cfg: SpecserveConfig) -> dict:
+    """Serve deployment options of one side: replicas/autoscaling and placement by label/resources."""
+    import ray
+
+    from ..distributed.placement import check_feasible, side_resources, side_selector
+
+    nodes = ray.nodes()
+    selector = side_selector(side, role, cfg.cluster, nodes)
+    check_feasible(role, selector, side_resources(side), nodes)  # fail at deploy time, naming what is missing
+    actor = {"num_cpus": side.num_cpus, "num_gpus": side.num_gpus}
+    if side.resources:
+        actor["resources"] = dict(side.resources)
+    if selector:
+        actor["label_selector"] = selector
+    if cfg.cluster.runtime_env:
+        actor["runtime_env"] = dict(cfg.cluster.runtime_env)
+    opts = {"name": role.capitalize(), "ray_actor_options": actor, "health_check_period_s": 2, "health_check_timeout_s": 10,
+            "graceful_shutdown_timeout_s": 5}
+    if side.autoscaling:
+        opts["autoscaling_config"] = dict(side.autoscaling)
+    else:
+        opts["num_replicas"] = side.num_replicas
+    return opts
+
+
 def build_app(args: dict) -> serve.Application:
-    """Serve builder referenced from YAML as ``specserve.serve:build_app``; ``args`` follow ``ServeArgs``."""
-    validated = ServeArgs(**(args or {}))  # fail at deploy time with a clear pydantic error
-    return Router.bind(validated.model_dump())
+    """Serve builder (YAML ``import_path: specserve.serve:build_app``): ``args`` is the nested
+    configuration, or ``{config: path}`` plus nested overrides, as ``SpecserveConfig`` defines it."""
+    import ray
+
+    from ..config import read_config_file
+    from ..distributed.workers import DraftWorker, Registry, TargetWorker
+
+    args = dict(args or {})
+    path = args.pop("config", None)
+    data = read_config_file(path) if path else {}
+    for key, value in args.items():  # nested overrides on top of the file
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    cfg = SpecserveConfig.load(data)
+    dump = cfg.model_dump()
+    registry = serve.deployment(Registry, name="Registry", ray_actor_options={"num_cpus": 0}, num_replicas=1,
+                                max_ongoing_requests=1000, logging_config={"enable_access_log": False}).bind()
+    if not ray.is_initialized():
+        ray.init(address="auto")
+    target_opts = _side_options(cfg.target, "target", cfg)
+    target_opts["max_ongoing_requests"] = cfg.engine.max_num_seqs * 4
+    draft = None
+    if cfg.speculative:
+        draft = serve.deployment(DraftWorker, **_side_options(cfg.draft, "draft", cfg)).bind(dump, registry)
+    target = serve.deployment(TargetWorker, **target_opts).bind(dump, None, registry, draft)
+    router = serve.deployment(Router, name="Router", num_replicas=cfg.server.router_num_replicas,
+                              ray_actor_options={"num_cpus": cfg.server.router_num_cpus},
+                              max_ongoing_requests=max(1000, 2 * cfg.server.max_pending_requests))
+    return router.bind(dump, target, registry)

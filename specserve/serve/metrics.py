@@ -1,41 +1,68 @@
-"""Render the target actor's counters as Prometheus text, with vLLM's spec-decode names.
+"""Render the registry's snapshot as Prometheus text, with vLLM's spec-decode metric names.
 
 Ray metric names may not contain ':' so vLLM's ``vllm:spec_decode_*`` become
-``specserve_spec_decode_*``. Hand-written (a dozen lines) rather than a prometheus_client
-registry: the numbers live in another actor and are read per scrape.
+``specserve_spec_decode_*``. Counters are summed over the live target replicas; drafts and
+targets also get one gauge per replica. Hand-written (a few dozen lines) rather than a
+``prometheus_client`` registry: the numbers live in other processes and arrive as one
+snapshot per scrape, which the text format renders directly.
 """
 
 from __future__ import annotations
 
 
-def prometheus_text(m: dict, model: str, in_flight: int, draft_seqs: int | None) -> str:
-    lab = f'model_name="{model}"'
-    lines = []
+def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> str:
+    targets = snapshot.get("target", {})
+    drafts = snapshot.get("draft", {})
+    lines: list[str] = []
+    seen: set[str] = set()
 
-    def metric(name: str, kind: str, help_: str, value, extra: str = "") -> None:
-        if not any(line.startswith(f"# HELP {name} ") for line in lines):
+    def metric(name: str, kind: str, help_: str, value, labels: dict | None = None) -> None:
+        if name not in seen:
+            seen.add(name)
             lines.append(f"# HELP {name} {help_}")
             lines.append(f"# TYPE {name} {kind}")
-        labels = lab + ("," + extra if extra else "")
-        lines.append(f"{name}{{{labels}}} {float(value)}")
+        all_labels = {"model_name": model, **(labels or {})}
+        text = ",".join(f'{k}="{v}"' for k, v in all_labels.items())
+        lines.append(f"{name}{{{text}}} {float(value)}")
 
-    metric("specserve_spec_decode_num_drafts", "counter", "Verified draft blocks.", m["num_drafts"])
-    metric("specserve_spec_decode_num_draft_tokens", "counter", "Draft tokens proposed and verified.", m["num_draft_tokens"])
-    metric("specserve_spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.", m["num_accepted_tokens"])
-    per_pos = list(m["num_accepted_tokens_per_pos"])
-    per_pos += [0] * (m.get("num_speculative_tokens", 0) - len(per_pos))  # every position exists from the start
-    for pos, n in enumerate(per_pos):
-        metric("specserve_spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted draft tokens by position.", n, f'position="{pos}"')
-    metric("specserve_spec_decode_num_fallback_steps", "counter", "Sequence steps decoded target-only because the draft was unavailable.", m["num_fallback_steps"])
-    metric("specserve_draft_failures", "counter", "Times the draft became unavailable.", m["num_draft_failures"])
-    metric("specserve_draft_recoveries", "counter", "Times speculation resumed after a draft failure.", m["num_draft_recoveries"])
-    metric("specserve_draft_up", "gauge", "1 when the draft answers, 0 when decoding target-only.", int(m["draft_up"]))
-    metric("specserve_num_requests_running", "gauge", "Requests in the target's batch.", m["num_running"])
-    metric("specserve_num_requests_waiting", "gauge", "Requests waiting for a batch slot.", m["num_waiting"])
-    metric("specserve_num_requests_in_flight", "gauge", "HTTP requests in flight at the router.", in_flight)
-    if draft_seqs is not None:
-        metric("specserve_draft_num_sequences", "gauge", "Sequences the draft holds state for.", draft_seqs)
-    metric("specserve_num_requests_finished", "counter", "Finished requests.", m["num_requests_finished"])
-    metric("specserve_num_requests_aborted", "counter", "Aborted (cancelled) requests.", m["num_requests_aborted"])
-    metric("specserve_num_generation_tokens", "counter", "Generated tokens.", m["num_generated_tokens"])
+    def total(key: str) -> float:
+        return sum(float(t.get(key, 0) or 0) for t in targets.values())
+
+    metric("specserve_spec_decode_num_drafts", "counter", "Verified draft blocks.", total("num_drafts"))
+    metric("specserve_spec_decode_num_draft_tokens", "counter", "Draft tokens proposed and verified.", total("num_draft_tokens"))
+    metric("specserve_spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.", total("num_accepted_tokens"))
+    width = max((len(t.get("num_accepted_tokens_per_pos", [])) for t in targets.values()), default=0)
+    width = max(width, max((t.get("speculation", {}).get("max_k", 0) for t in targets.values()), default=0))
+    for pos in range(width):
+        n = sum((t.get("num_accepted_tokens_per_pos", []) + [0] * width)[pos] for t in targets.values())
+        metric("specserve_spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted draft tokens by position.", n,
+               {"position": pos})
+    metric("specserve_spec_decode_num_fallback_steps", "counter",
+           "Sequence steps decoded target-only because no draft could answer.", total("num_fallback_steps"))
+    metric("specserve_spec_decode_num_cache_hits", "counter", "Draft blocks answered from the speculation cache.",
+           total("num_cache_hits"))
+    metric("specserve_spec_decode_num_blocks", "counter", "Draft blocks received.", total("num_blocks"))
+    metric("specserve_draft_failures", "counter", "Times a draft became unavailable to a target.",
+           sum(t.get("drafts", {}).get("num_draft_failures", 0) for t in targets.values()))
+    metric("specserve_num_generation_tokens", "counter", "Generated tokens.", total("num_generated_tokens"))
+    metric("specserve_num_requests_failed", "counter", "Requests that failed inside a target.", total("num_requests_failed"))
+    metric("specserve_num_requests_aborted", "counter", "Requests cancelled (e.g. client disconnects).", total("num_requests_aborted"))
+    metric("specserve_num_requests_running", "gauge", "Requests in the targets' batches.", total("num_running"))
+    metric("specserve_num_requests_waiting", "gauge", "Requests waiting for a batch slot.", total("num_waiting"))
+    metric("specserve_num_requests_in_flight", "gauge", "HTTP generation requests admitted by this router.", edge.in_flight)
+    metric("specserve_num_requests_rejected", "counter", "HTTP requests rejected with 429 by this router.", edge.num_rejected)
+    metric("specserve_targets_up", "gauge", "Target replicas alive.", len(targets))
+    metric("specserve_drafts_up", "gauge", "Draft replicas alive.", len(drafts))
+    for name, t in sorted(targets.items()):
+        metric("specserve_target_num_running", "gauge", "Requests in this target's batch.", t.get("num_running", 0), {"target": name})
+        metric("specserve_target_draft_up", "gauge", "1 when this target has a draft, 0 when decoding target-only.",
+               int(bool(t.get("draft_up"))), {"target": name})
+        metric("specserve_target_speculation_k", "gauge", "The speculation length this target chose last.",
+               t.get("speculation", {}).get("k", 0), {"target": name})
+    for name, d in sorted(drafts.items()):
+        metric("specserve_draft_num_sequences", "gauge", "Sequences this draft holds state for.", d.get("num_seqs", 0), {"draft": name})
+        metric("specserve_draft_num_connections", "gauge", "Targets connected to this draft.", d.get("num_live_connections", 0),
+               {"draft": name})
+    metric("specserve_metrics_age_seconds", "gauge", "Age of the replica snapshot these numbers come from (-1: none yet).",
+           registry_age_s)
     return "\n".join(lines) + "\n"
