@@ -1,6 +1,9 @@
-"""``specserve`` command line: ``demo``, ``serve`` (OpenAI HTTP) and ``generate`` (batch JSONL).
+"""``specserve`` command line: ``demo``, ``serve`` (OpenAI HTTP), ``generate`` (batch JSONL), ``config``.
 
-Argument parsing only; the work lives in ``demo``, ``serve`` and ``LLM``.
+Every configuration flag is generated from the schema (``specserve.config``): one flag per
+field, named as in Python (``--draft-num-gpus`` / ``draft_num_gpus=``), with the schema's
+default in its help; ``--config FILE`` loads a YAML/JSON file that flags then override.
+Argument parsing only; the work lives in ``demo``, ``serve.serve_cli`` and ``LLM``.
 """
 
 from __future__ import annotations
@@ -8,99 +11,185 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import typing
+from typing import Any, Literal
+
+from pydantic_core import PydanticUndefined
+
+from . import __version__
+
+SECTION_TITLES = {"target": "target model", "draft": "draft model", "speculation": "speculation", "engine": "engine limits",
+                  "channel": "draft/target link", "cluster": "Ray cluster and placement", "server": "HTTP server"}
 
 
-def _label(value: str) -> dict[str, str]:
+def _dict_arg(value: str) -> dict:
+    """JSON ('{"a": 1}') or key=value[,key=value]."""
+    value = value.strip()
+    if value.startswith("{"):
+        try:
+            out = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+        if not isinstance(out, dict):
+            raise argparse.ArgumentTypeError("expected a JSON object")
+        return out
     out = {}
-    for part in value.split(","):
+    for part in filter(None, value.split(",")):
         if "=" not in part:
-            raise argparse.ArgumentTypeError(f"labels are key=value[,key=value], got {value!r}")
+            raise argparse.ArgumentTypeError(f"expected key=value[,key=value] or JSON, got {value!r}")
         k, v = part.split("=", 1)
-        out[k.strip()] = v.strip()
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v.strip()
     return out
 
 
-def _default_pair() -> tuple[str | None, str | None]:
-    from .demo_models import DRAFT_PATH, TARGET_PATH
-
-    if (TARGET_PATH / "config.json").exists() and (DRAFT_PATH / "config.json").exists():
-        return str(TARGET_PATH), str(DRAFT_PATH)
-    return None, None
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    target, draft = _default_pair()
-    p.add_argument("--target", default=target, required=target is None, help="target model directory or hub id (default: the shipped demo target)")
-    p.add_argument("--draft", default=draft, help="draft model directory/id, 'ngram', or 'none' (default: the shipped demo draft)")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per verification step (default 4)")
-    p.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16, float16, float64 (default float32)")
-    p.add_argument("--draft-dtype", default=None, help="draft dtype (default: --dtype)")
-    p.add_argument("--device", default="cpu", help="target device, e.g. cuda (default cpu)")
-    p.add_argument("--draft-device", default=None, help="draft device (default: --device)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences verified together per step (default 64)")
+def _bool_or_auto(value: str):
+    low = value.lower()
+    if low in ("true", "yes", "1"):
+        return True
+    if low in ("false", "no", "0"):
+        return False
+    if low == "auto":
+        return "auto"
+    raise argparse.ArgumentTypeError(f"expected true, false or auto, got {value!r}")
 
 
-def _placement_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=None, help="Ray cluster: 'auto' or host:port to join, 'local' to start a fresh one; default: join a running one, else start one")
-    p.add_argument("--target-label", type=_label, default=None, help="node labels for the target, e.g. ray.io/accelerator-type=GB10 (default specserve.io/role=target)")
-    p.add_argument("--draft-label", type=_label, default=None, help="node labels for the draft, e.g. ray.io/accelerator-type=GeForce-RTX-5090 (default specserve.io/role=draft)")
-    p.add_argument("--target-num-gpus", type=float, default=0, help="GPUs for the target's bundle")
-    p.add_argument("--draft-num-gpus", type=float, default=0, help="GPUs for the draft's bundle")
-    p.add_argument("--channel", choices=["ray", "collective"], default="ray", help="draft/target link (default ray)")
+def _optional(convert):
+    def parse(value: str):
+        return None if value.lower() in ("none", "null") else convert(value)
+    return parse
+
+
+def _flag_kwargs(annotation) -> dict:
+    """argparse keyword arguments for one schema annotation."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    optional = type(None) in args
+    inner = [a for a in args if a is not type(None)] if args else [annotation]
+    if origin not in (None, Literal, dict) and not optional and bool in inner:  # bool | Literal["auto"]
+        return {"type": _bool_or_auto, "metavar": "{true,false,auto}"}
+    base = inner[0] if len(inner) == 1 else annotation
+    base_origin = typing.get_origin(base)
+    if base is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if base_origin is Literal:
+        return {"choices": list(typing.get_args(base))}
+    if base_origin is dict or base is dict:
+        return {"type": _optional(_dict_arg) if optional else _dict_arg, "metavar": "JSON|K=V,.."}
+    convert = base if base in (int, float, str) else str
+    return {"type": _optional(convert) if optional else convert, "metavar": {int: "N", float: "X", str: "TEXT"}.get(convert)}
+
+
+def _default_text(info) -> str:
+    if info.default is not PydanticUndefined:
+        value = info.default
+    elif info.default_factory is not None:
+        value = info.default_factory()
+    else:
+        value = None
+    if value in ({}, None):
+        return "none" if value is None else "{}"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def add_config_flags(parser: argparse.ArgumentParser, include_server: bool = True) -> None:
+    from .config import SHARED_SIDE_FIELDS, flat_fields
+
+    parser.add_argument("--config", metavar="FILE", help="YAML or JSON configuration file (flags override it); "
+                        "`specserve config` prints one to start from")
+    groups: dict[str, Any] = {}
+    shared = parser.add_argument_group("both sides")
+    for name in SHARED_SIDE_FIELDS:
+        from .config import SideConfig
+
+        info = SideConfig.model_fields[name]
+        shared.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
+                            help=f"{info.description} Sets the target and the draft (default: {_default_text(info)})",
+                            **_flag_kwargs(info.annotation))
+    for flat, (section, name, info) in flat_fields().items():
+        if section == "server" and not include_server:
+            continue
+        group = groups.setdefault(section, parser.add_argument_group(SECTION_TITLES[section]))
+        description = info.description
+        if flat == "draft":
+            description += " Also 'ngram' (prompt lookup, no model) or 'none' (target-only)."
+        group.add_argument(f"--{flat.replace('_', '-')}", dest=flat, default=argparse.SUPPRESS,
+                           help=f"{description} (default: {_default_text(info)})", **_flag_kwargs(info.annotation))
+
+
+def load_config(args: argparse.Namespace, **extra):
+    """The configuration from --config plus every flag given on the command line."""
+    from .config import SHARED_SIDE_FIELDS, SpecserveConfig, flat_fields
+
+    names = set(flat_fields()) | set(SHARED_SIDE_FIELDS)
+    overrides = {k: v for k, v in vars(args).items() if k in names}
+    overrides.update(extra)
+    return SpecserveConfig.load(getattr(args, "config", None), **overrides)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (the full usage of `serve` is long; --help has it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description="Speculative decoding with the draft and target on different machines, lossless.")
+    parser = _Parser(prog="specserve", description="Speculative decoding with the draft and the target on "
+                                     "different machines, lossless. Every flag of serve/generate/config is a field of one "
+                                     "configuration schema; `specserve config` prints it.")
+    parser.add_argument("--version", action="version", version=f"specserve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="local 2-node Ray cluster + HTTP endpoint with the shipped demo pair; prints text and speculation stats")
+    demo = sub.add_parser("demo", help="the shipped demo pair on a local 2-node Ray cluster, over HTTP; prints text, "
+                          "speculation stats and tokens/s against target-only")
     demo.add_argument("--once", action="store_true", help="exit after the demo requests instead of serving")
-    demo.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
-    demo.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    demo.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step (default 4)")
-    demo.add_argument("--max-tokens", type=int, default=48, help="tokens per demo completion (default 48)")
-    demo.add_argument("--target", default=None, help="override the demo target")
-    demo.add_argument("--draft", default=None, help="override the demo draft")
+    demo.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    demo.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step, the most when adaptive (default: 4)")
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens per demo completion (default: 48)")
     demo.add_argument("--json", dest="json_out", default=None, help="also write the demo's measurements to this JSON file")
 
-    serve_p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP endpoint through Ray Serve")
-    _add_model_args(serve_p)
-    _placement_args(serve_p)
-    serve_p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1; 0.0.0.0 to expose)")
-    serve_p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    serve_p.add_argument("--api-key", default=None, help="require this bearer key (or set SPECSERVE_API_KEY)")
-    serve_p.add_argument("--model-name", default=None, help="model id in /v1/models (default: target folder name)")
-    serve_p.add_argument("--max-pending-requests", type=int, default=256, help="beyond this, 429 + Retry-After (default 256)")
+    serve_p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP endpoint through Ray Serve "
+                             "(try: specserve serve --target demo:target --draft demo:draft)")
+    add_config_flags(serve_p)
 
     gen = sub.add_parser("generate", help="batch generation: JSONL prompts in, JSONL outputs out (input order)")
-    _add_model_args(gen)
-    gen.add_argument("--input", required=True, help="JSONL: one {'prompt': str} or {'prompt_token_ids': [...]} per line, optional sampling fields")
-    gen.add_argument("--output", required=True, help="JSONL written in input order")
-    gen.add_argument("--max-tokens", type=int, default=64, help="default max_tokens per prompt (default 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="default temperature (default 0: greedy)")
-    gen.add_argument("--ray", action="store_true", help="run draft and target as Ray actors (placement by role label)")
-    _placement_args(gen)
+    gen.add_argument("--input", required=True, help="JSONL: one {'prompt': str} or {'prompt_token_ids': [...]} per line, "
+                     "with optional sampling fields (temperature, top_p, top_k, max_tokens, stop, seed, ...)")
+    gen.add_argument("--output", required=True, help="JSONL written in input order (checked before anything runs)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="max_tokens for lines that do not set it (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="temperature for lines that do not set it (default: 0, greedy)")
+    gen.add_argument("--ray", action="store_true", help="run the target and the draft as Ray actors, placed by label")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_config_flags(gen, include_server=False)
+
+    cfg = sub.add_parser("config", help="print the configuration (defaults, --config file and flags) as YAML")
+    add_config_flags(cfg)
     return parser
 
 
-def _engine_config(args):
-    from .config import EngineConfig, SideConfig
-
-    draft = None if args.draft in (None, "none", "") else SideConfig(
-        args.draft, dtype=args.draft_dtype or args.dtype, device=args.draft_device or args.device,
-        num_gpus=getattr(args, "draft_num_gpus", 0) or 0, label_selector=getattr(args, "draft_label", None) or {})
-    target = SideConfig(args.target, dtype=args.dtype, device=args.device, num_gpus=getattr(args, "target_num_gpus", 0) or 0,
-                        label_selector=getattr(args, "target_label", None) or {})
-    return EngineConfig(target=target, draft=draft, num_speculative_tokens=args.num_speculative_tokens, max_num_seqs=args.max_num_seqs)
+def _check_output_path(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--output {path!r} is not writable")
 
 
 def cmd_generate(args) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
+    _check_output_path(args.output)
+    if not os.path.isfile(args.input):
+        raise ValueError(f"--input {args.input!r}: no such file")
+    config = load_config(args)
     prompts, params = [], []
     fields = set(SamplingParams.__dataclass_fields__)
     with open(args.input) as f:
@@ -119,17 +208,15 @@ def cmd_generate(args) -> int:
             prompts.append(row.get("prompt", row.get("prompt_token_ids")))
             sp = {"max_tokens": args.max_tokens, "temperature": args.temperature}
             sp.update({k: v for k, v in row.items() if k in fields})
-            params.append(SamplingParams(**sp))
-    placement = None
-    if args.ray:
-        from .distributed import Placement
+            try:
+                params.append(SamplingParams(**sp))
+            except ValueError as exc:
+                raise ValueError(f"{args.input}:{n}: {exc}") from None
+    from .preflight import preflight
 
-        placement = Placement(address=args.address, channel=args.channel)
-    llm = LLM.from_config(_engine_config(args), placement)
-    try:
+    preflight(config, distributed=args.ray)
+    with LLM(config=config, ray=args.ray) as llm:
         outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    finally:
-        llm.shutdown()
     with open(args.output, "w") as f:
         for i, o in enumerate(outs):
             f.write(json.dumps({"index": i, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
@@ -141,10 +228,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    from .serve.serve_cli import run_server
+def cmd_config(args) -> int:
+    import yaml
 
-    return run_server(args)
+    print(yaml.safe_dump(load_config(args).model_dump(), sort_keys=False), end="")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,9 +244,13 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(args)
         if args.command == "serve":
-            return cmd_serve(args)
+            from .serve.serve_cli import run_server
+
+            return run_server(load_config(args))
+        if args.command == "config":
+            return cmd_config(args)
         return cmd_generate(args)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -112,7 +112,7 @@ class ClusterConfig(_Section):
 class ServerConfig(_Section):
     host: str = Field("127.0.0.1", description="HTTP host (0.0.0.0 to expose).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    model_name: str | None = Field(None, description="Model id served in /v1/models (default: the target's folder name).")
+    model_name: str | None = Field(None, description="Model id served in /v1/models (default: 'demo' for the shipped pair, else the target's folder name).")
     api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' (also env SPECSERVE_API_KEY).")
     api_key_file: str | None = Field(None, description="Read the API key from this file.")
     open_metrics: bool = Field(False, description="Serve /metrics and the docs without the API key.")
@@ -149,7 +149,14 @@ class SpecserveConfig(_Section):
 
     @property
     def model_name(self) -> str:
-        return self.server.model_name or Path(self.target.model.rstrip("/")).name
+        """The id served in /v1/models: the configured name, ``demo`` for the shipped pair, else the target's folder."""
+        if self.server.model_name:
+            return self.server.model_name
+        from .demo_models import TARGET_PATH
+
+        if Path(self.target.model) == TARGET_PATH:
+            return "demo"
+        return Path(self.target.model.rstrip("/")).name
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod

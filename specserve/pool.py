@@ -73,6 +73,7 @@ class DraftPool:
         self.refused: dict[str, str] = {}  # draft name -> why it refused this target (vocabulary)
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0}
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
         self._stop = threading.Event()
         self._thread = None
         if background:
@@ -95,6 +96,7 @@ class DraftPool:
                 logger.error("draft %s refused this target: %s", name, reply.error)
             self.refused[name] = reply.error
             return
+        self._queued.add(name)
         self._ready.put(_Draft(name, endpoint, dict(reply.info)))
 
     def connect_now(self) -> None:
@@ -114,7 +116,7 @@ class DraftPool:
                 logger.debug("draft discovery failed: %s", exc)
                 continue
             for name, address in found.items():
-                if name in self.drafts or name in self.refused:
+                if name in self.drafts or name in self.refused or name in self._queued:
                     continue
                 self._try_connect(name, address)
 
@@ -132,6 +134,7 @@ class DraftPool:
                 d = self._ready.get_nowait()
             except queue.Empty:
                 return
+            self._queued.discard(d.name)
             if d.name in self.drafts:
                 d.endpoint.close()
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +31,18 @@ logger = logging.getLogger("specserve")
 
 ANNOUNCE_EVERY_S = 0.25  # how often each replica tells the registry it is alive (and its metrics)
 REGISTRY_TTL_S = 1.5  # a replica not heard from for this long is no longer listed
+
+
+def configure_worker_logging() -> None:
+    """specserve's progress lines on the worker's stderr, which Ray forwards to the driver."""
+    log = logging.getLogger("specserve")
+    if not any(getattr(h, "_specserve", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._specserve = True
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 def node_info() -> dict:
@@ -100,6 +113,7 @@ class DraftWorker:
         from ..build import build_draft_service, set_cpu_threads
         from ..transport import DraftServer
 
+        configure_worker_logging()
         self.config = SpecserveConfig.load(config)
         set_cpu_threads(self.config, in_process=False)
         info = node_info()
@@ -153,6 +167,7 @@ class TargetWorker:
         from ..pool import DraftPool
         from ..transport import SocketEndpoint
 
+        configure_worker_logging()
         self.config = cfg = SpecserveConfig.load(config)
         set_cpu_threads(cfg, in_process=False)
         info = node_info()
