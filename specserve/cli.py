@@ -96,6 +96,15 @@ def _default_text(info) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def flag_default_text(flat: str, info) -> str:
+    """How --help states a flag's default (the model flags are the exceptions)."""
+    if flat == "target":
+        return "(required; e.g. demo:target)"
+    if flat == "draft":
+        return "Also 'ngram' (prompt lookup, no model) or 'none'. (default: none: target-only)"
+    return f"(default: {_default_text(info)})"
+
+
 def add_config_flags(parser: argparse.ArgumentParser, include_server: bool = True) -> None:
     from .config import SHARED_SIDE_FIELDS, flat_fields
 
@@ -114,11 +123,8 @@ def add_config_flags(parser: argparse.ArgumentParser, include_server: bool = Tru
         if section == "server" and not include_server:
             continue
         group = groups.setdefault(section, parser.add_argument_group(SECTION_TITLES[section]))
-        description = info.description
-        if flat == "draft":
-            description += " Also 'ngram' (prompt lookup, no model) or 'none' (target-only)."
         group.add_argument(f"--{flat.replace('_', '-')}", dest=flat, default=argparse.SUPPRESS,
-                           help=f"{description} (default: {_default_text(info)})", **_flag_kwargs(info.annotation))
+                           help=f"{info.description} {flag_default_text(flat, info)}", **_flag_kwargs(info.annotation))
 
 
 def load_config(args: argparse.Namespace, **extra):

@@ -118,6 +118,7 @@ class ServerConfig(_Section):
     open_metrics: bool = Field(False, description="Serve /metrics and the docs without the API key.")
     max_pending_requests: int = Field(256, ge=1, description="Requests in flight beyond this get 429 + Retry-After.")
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation request may take; then it is aborted (503 before output, an in-band error after).")
     router_num_cpus: float = Field(0.1, ge=0, description="Ray: CPUs reserved for each HTTP router replica.")
     router_num_replicas: int = Field(1, ge=1, description="HTTP router replicas.")
 

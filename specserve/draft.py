@@ -383,6 +383,10 @@ class DraftSide:
         start = time.perf_counter()
         for c in req.closes:
             self.close(c.request_id)
+        if req.live is not None:  # reconcile: free whatever the target no longer has here
+            keep = set(req.live) | {o.request_id for o in req.opens}
+            for rid in [r for r in self.seqs if r not in keep]:
+                self.close(rid)
         for o in req.opens:
             self.open(o)
         missing = []

@@ -133,7 +133,6 @@ class EngineCore:
         except Exception as exc:
             if len(only) == 1:
                 logger.exception("request %s failed in a target forward", only[0])
-                self._close(only[0])
                 return [], [], {only[0]: exc}
             half = len(only) // 2
             d1, r1, f1 = self._verify(blocks, fallback, only[:half])
@@ -169,6 +168,8 @@ class EngineCore:
             fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only
         forward_before = self.target.forward_s
         deltas, results, failed = self._verify(blocks, fallback, list(seqs))
+        for rid in failed:
+            self._close(rid)
         result.failed.update(failed)
         for d, r in zip(deltas, results):
             if d.finished:

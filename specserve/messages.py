@@ -84,6 +84,7 @@ class ProposeRequest:
     closes: list[CloseSeq] = field(default_factory=list)
     request_ids: list[str] = field(default_factory=list)  # sequences that need a block now
     num_draft_tokens: list[int] = field(default_factory=list)  # [len(request_ids)]: k per sequence
+    live: list[str] | None = None  # when set: every sequence this target still has here; the draft frees the rest
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.num_draft_tokens):
@@ -140,6 +141,7 @@ _CHECKS = {
     "str | None": lambda v: v is None or isinstance(v, str),
     "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "list[str] | None": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
 }
 _NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock, "stats": DraftStats}
 MESSAGE_TYPES = {

@@ -35,7 +35,9 @@ class _Draft:
     opens: list[OpenSeq] = field(default_factory=list)
     results: dict[str, VerifyResult] = field(default_factory=dict)
     closes: list[CloseSeq] = field(default_factory=list)
-    latency_s: float = 0.0  # running estimate of one request's round trip
+    latency_s: float = 0.0  # running estimate of one request's round trip (requests without prompts to catch up on)
+    catchup_s: float = 1e-3  # running estimate of the draft's time per prompt token it catches up on
+    last_ok: float = field(default_factory=time.monotonic)  # when it last answered
 
     @property
     def has_deltas(self) -> bool:
@@ -85,8 +87,10 @@ class DraftPool:
     # -- connections (background thread) ----------------------------------------------------
     def _try_connect(self, name: str, address) -> None:
         try:
+            start = time.perf_counter()
             endpoint = self._connect(name, address)
             reply = endpoint.hello(self._hello, self.max_timeout_s)
+            hello_s = time.perf_counter() - start
         except (DraftUnavailable, OSError) as exc:
             logger.debug("draft %s not reachable: %s", name, exc)
             return
@@ -97,7 +101,8 @@ class DraftPool:
             self.refused[name] = reply.error
             return
         self._queued.add(name)
-        self._ready.put(_Draft(name, endpoint, dict(reply.info)))
+        # The hello's round trip seeds the latency estimate, so the first timeout is measured too.
+        self._ready.put(_Draft(name, endpoint, dict(reply.info), latency_s=max(hello_s, 0.05)))
 
     def connect_now(self) -> None:
         """Discover and connect in the calling thread (start-up and in-process use)."""
@@ -180,10 +185,8 @@ class DraftPool:
         d = self.drafts[name]
         d.seqs.discard(rid)
         d.results.pop(rid, None)
-        if any(o.request_id == rid for o in d.opens):  # never reached the draft: nothing to free there
-            d.opens = [o for o in d.opens if o.request_id != rid]
-        else:
-            d.closes.append(CloseSeq(rid))
+        d.opens = [o for o in d.opens if o.request_id != rid]
+        d.closes.append(CloseSeq(rid))  # also when an open was still queued: the draft may hold an older copy
 
     def _lost(self, d: _Draft, exc: BaseException) -> None:
         if self.drafts.pop(d.name, None) is None:
@@ -203,12 +206,13 @@ class DraftPool:
 
     # -- a step -------------------------------------------------------------------------------
     def _timeout(self, d: _Draft, req: ProposeRequest) -> float:
-        if req.opens or d.latency_s == 0.0:
-            return self.max_timeout_s  # prompts to catch up on: generous
-        return min(self.max_timeout_s, max(self.min_timeout_s, 20.0 * d.latency_s))
+        """From measurements: 20x the usual round trip, plus 4x the measured catch-up time of the
+        prompts this request opens; never above ``max_timeout_s``."""
+        catchup = sum(len(o.token_ids) for o in req.opens) * d.catchup_s * 4.0
+        return min(self.max_timeout_s, max(self.min_timeout_s, 20.0 * d.latency_s) + catchup)
 
-    def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int]) -> ProposeRequest:
-        req = ProposeRequest(step, d.opens, list(d.results.values()), d.closes, rids, ks)
+    def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int], live: list[str] | None = None) -> ProposeRequest:
+        req = ProposeRequest(step, d.opens, list(d.results.values()), d.closes, rids, ks, live)
         d.opens, d.results, d.closes = [], {}, []
         return req
 
@@ -244,7 +248,13 @@ class DraftPool:
                 self._lost(d, exc)
                 continue
             elapsed = time.perf_counter() - start
-            d.latency_s = elapsed if d.latency_s == 0.0 else 0.8 * d.latency_s + 0.2 * elapsed
+            opened = sum(len(o.token_ids) for o in req.opens)
+            if opened:
+                per_token = max(0.0, elapsed - d.latency_s) / opened
+                d.catchup_s = 0.8 * d.catchup_s + 0.2 * max(per_token, 1e-5)
+            else:
+                d.latency_s = 0.8 * d.latency_s + 0.2 * elapsed
+            d.last_ok = time.monotonic()
             for b in reply.blocks:
                 out.blocks[b.request_id] = b
             for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
@@ -260,15 +270,19 @@ class DraftPool:
         out.wait_s = time.perf_counter() - start
         return out
 
-    def flush(self, step: int) -> None:
-        """Deliver queued deltas (closes above all) to drafts no step is talking to (idle engine)."""
+    def flush(self, step: int, heartbeat_s: float = 1.0) -> None:
+        """Idle engine: deliver queued deltas (closes above all), and ping drafts that have been
+        quiet for ``heartbeat_s`` so a hung draft is noticed (and reported) without traffic. Each
+        message carries the sequences this target still has there, so the draft frees any other."""
+        now = time.monotonic()
         for d in list(self.drafts.values()):
-            if not d.has_deltas:
+            if not d.has_deltas and now - d.last_ok < heartbeat_s:
                 continue
-            req = self._request(d, step, [], [])
+            req = self._request(d, step, [], [], live=sorted(d.seqs))
             try:
                 d.endpoint.send(req)
                 d.endpoint.recv(self._timeout(d, req))
+                d.last_ok = time.monotonic()
             except DraftUnavailable as exc:
                 self._lost(d, exc)
 

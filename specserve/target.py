@@ -149,9 +149,8 @@ class TargetSide:
         for s, d, a, nxt in zip(seqs, drafts, num_accepted, next_token_ids):
             try:
                 deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback)
-            except Exception as exc:  # one sequence's failure is its own
+            except Exception as exc:  # one sequence's failure is its own (the engine closes it on both sides)
                 logger.exception("request %s failed while committing its tokens", s.request_id)
-                self.close(s.request_id)
                 failed[s.request_id] = exc
                 continue
             deltas.append(deltas_result[0])

@@ -3,7 +3,7 @@
 Both are plain classes: ``ray.remote(cls)`` for the batch API, ``serve.deployment(cls)`` for
 HTTP (``specserve.serve``), same code. A ``DraftWorker`` loads only the draft, serves it on
 a TCP port (``transport.DraftServer``) and, under Serve, announces that address (and its metrics)
-to the ``Registry`` four times a second. A ``TargetWorker`` loads only the target, runs
+to the ``Registry`` five times a second. A ``TargetWorker`` loads only the target, runs
 the engine loop on its own thread and finds its drafts through ``discover`` (the draft
 actors' current addresses, or the registry), connecting to each over TCP; under Serve it
 announces its metrics too, which is how the router knows it is alive. Requests come in
@@ -29,8 +29,8 @@ from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
 
-ANNOUNCE_EVERY_S = 0.25  # how often each replica tells the registry it is alive (and its metrics)
-REGISTRY_TTL_S = 1.5  # a replica not heard from for this long is no longer listed
+ANNOUNCE_EVERY_S = 0.2  # how often each replica tells the registry it is alive (and its metrics)
+REGISTRY_TTL_S = 1.0  # a replica not heard from for this long is no longer listed
 
 
 def configure_worker_logging() -> None:

@@ -15,6 +15,7 @@ and non-streaming requests fail the same way; later failures travel in-band.
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -131,6 +132,16 @@ def _is_dead_replica(exc: BaseException) -> bool:
         type(exc).__name__ in ("DeploymentUnavailableError", "ActorDiedError")
 
 
+async def _next_chunk(gen, deadline: float) -> dict:
+    """The target's next chunk, bounded by the request's deadline (every await on an actor has a bound)."""
+    try:
+        return await asyncio.wait_for(gen.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise TimeoutError("the request exceeded request_timeout_s") from None
+
+
+# Helpers the router uses are defined above it: serve.ingress snapshots the module's names
+# when the class is decorated, so a function defined further down is missing in the replica.
 @serve.ingress(fastapi_app)
 class Router:
     def __init__(self, config: dict, target, registry):
@@ -296,7 +307,7 @@ class Router:
                                  media_type="text/plain; version=0.0.4")
 
     # -- generation -------------------------------------------------------------------------------
-    async def _start(self, rid: str, token_ids, params):
+    async def _start(self, rid: str, token_ids, params, deadline: float):
         """Open the target stream and wait for its first chunk: errors before any output are HTTP errors."""
         gen = self.target.options(stream=True).stream.remote(rid, list(token_ids), params.to_dict())
         first = asyncio.ensure_future(gen.__anext__())
@@ -304,9 +315,11 @@ class Router:
             done, _ = await asyncio.wait({first}, timeout=0.1)
             if done:
                 break
-            if not self.targets_alive():
+            if not self.targets_alive() or time.monotonic() > deadline:
                 first.cancel()
                 gen.cancel()
+                if time.monotonic() > deadline:
+                    raise unavailable(f"request {rid} got no output within {self.cfg.server.request_timeout_s:g}s; retry later")
                 raise unavailable("no target replica is available (it is restarting); retry shortly")
         try:
             chunk = first.result()
@@ -324,16 +337,16 @@ class Router:
 
     async def _run(self, prefix: str, chat: bool, token_ids, params, body):
         rid = f"{prefix}-{uuid.uuid4().hex}"
-        gen, first, source = await self._start(rid, token_ids, params)
+        deadline = time.monotonic() + self.cfg.server.request_timeout_s
+        gen, first, source = await self._start(rid, token_ids, params, deadline)
         if body.stream:
-            return StreamingResponse(self._sse(rid, chat, gen, first, token_ids, body.include_usage),
+            return StreamingResponse(self._sse(rid, chat, gen, first, token_ids, body.include_usage, deadline),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         out = RequestOutput(rid, None, token_ids)
         out.add(first)
         try:
-            if not first.finished:
-                async for chunk in gen:
-                    out.add(StepDelta.from_dict(chunk))
+            while not out.finished:
+                out.add(StepDelta.from_dict(await _next_chunk(gen, deadline)))
         except Exception as exc:
             logger.exception("request %s failed", rid)
             if _is_dead_replica(exc):
@@ -352,7 +365,7 @@ class Router:
             "specserve": {**out.metrics.to_dict(), "target": source},
         }
 
-    async def _sse(self, rid, chat, gen, first: StepDelta, token_ids, include_usage):
+    async def _sse(self, rid, chat, gen, first: StepDelta, token_ids, include_usage, deadline: float):
         kind = "chat.completion.chunk" if chat else "text_completion"
         created, out = int(time.time()), RequestOutput(rid, None, token_ids)
 
@@ -377,7 +390,7 @@ class Router:
                     yield chunk(d.text, d.finish_reason if d.finished else None)
                 if d.finished:
                     break
-                d = StepDelta.from_dict(await gen.__anext__())
+                d = StepDelta.from_dict(await _next_chunk(gen, deadline))
             if include_usage:
                 usage = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                          "usage": _usage(len(token_ids), len(out.token_ids))}
@@ -432,6 +445,12 @@ def build_app(args: dict) -> serve.Application:
     for key, value in args.items():  # nested overrides on top of the file
         data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
     cfg = SpecserveConfig.load(data)
+    if cfg.server.api_key is None and cfg.server.api_key_file is None and os.environ.get("SPECSERVE_API_KEY"):
+        # The key of the process that builds the app (the CLI, or serve run's builder) goes into the
+        # app's configuration, so every router replica enforces it whatever its own environment.
+        cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": os.environ["SPECSERVE_API_KEY"]})})
+    if cfg.server.api_key is None and cfg.server.api_key_file is None and cfg.server.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", cfg.server.host)
     dump = cfg.model_dump()
     registry = serve.deployment(Registry, name="Registry", ray_actor_options={"num_cpus": 0}, num_replicas=1,
                                 max_ongoing_requests=1000, logging_config={"enable_access_log": False}).bind()

@@ -31,6 +31,7 @@ class EdgeLimits:
         self.max_pending = max_pending
         self.max_body_bytes = max_body_bytes
         self.in_flight = 0
+        self.max_in_flight = 0  # high-water mark: never above max_pending
         self.num_rejected = 0
 
     def needs_key(self, path: str) -> bool:
@@ -103,6 +104,7 @@ class EdgeMiddleware:
 
         if admit:
             limits.in_flight += 1
+            limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
         try:
             await self.app(scope, limited_receive, tracked_send)
         except BodyTooLarge:

@@ -50,6 +50,8 @@ def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> 
     metric("specserve_num_requests_running", "gauge", "Requests in the targets' batches.", total("num_running"))
     metric("specserve_num_requests_waiting", "gauge", "Requests waiting for a batch slot.", total("num_waiting"))
     metric("specserve_num_requests_in_flight", "gauge", "HTTP generation requests admitted by this router.", edge.in_flight)
+    metric("specserve_num_requests_in_flight_max", "gauge", "Most HTTP generation requests in flight at once (never above the limit).",
+           edge.max_in_flight)
     metric("specserve_num_requests_rejected", "counter", "HTTP requests rejected with 429 by this router.", edge.num_rejected)
     metric("specserve_targets_up", "gauge", "Target replicas alive.", len(targets))
     metric("specserve_drafts_up", "gauge", "Draft replicas alive.", len(drafts))

@@ -1,21 +1,33 @@
-"""One real local Ray cluster per test module: two logical nodes labelled target and draft."""
+"""One real local Ray cluster per test module: logical nodes labelled target and draft."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
 ROLE = "specserve.io/role"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
+def start_cluster(targets: int = 1, drafts: int = 1, cpus: float = 2):
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {ROLE: "target"}})
-    cluster.add_node(num_cpus=2, labels={ROLE: "draft"}, resources={"specserve_draft": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "labels": {ROLE: "target"}})
+    for _ in range(targets - 1):
+        cluster.add_node(num_cpus=cpus, labels={ROLE: "target"})
+    for _ in range(drafts):
+        cluster.add_node(num_cpus=cpus, labels={ROLE: "draft"}, resources={"specserve_draft": 1})
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    cluster = start_cluster()
     yield cluster
     ray.shutdown()
     cluster.shutdown()
@@ -25,3 +37,20 @@ def node_labels(node_id: str) -> dict:
     import ray
 
     return next(n["Labels"] for n in ray.nodes() if n["NodeID"] == node_id)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_actors(app: str, deployment: str) -> list:
+    """(actor handle, pid, node id) of each live replica of one deployment of one app."""
+    import ray
+    from ray.util.state import list_actors
+
+    out = []
+    for a in list_actors(filters=[("class_name", "=", f"ServeReplica:{app}:{deployment}"), ("state", "=", "ALIVE")], detail=True):
+        out.append((ray.get_actor(a.name, namespace="serve"), a.pid, a.node_id))
+    return out
