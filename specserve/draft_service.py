@@ -33,6 +33,7 @@ class DraftService:
         self._waiting = 0  # requests queued for the lock: prepare() yields to them
         self._waiting_lock = threading.Lock()
         self.sides: dict[str, DraftSide] = {}
+        self.targets: dict[str, dict] = {}  # connection -> {target, num_requests}: who uses this draft
         self.counters = {"num_requests": 0, "num_blocks": 0, "num_cache_hits": 0, "num_cache_misses": 0,
                          "draft_time_hidden_s": 0.0, "compute_s": 0.0, "prepare_s": 0.0, "num_connections": 0}
         self.last_reply_at = 0.0
@@ -48,6 +49,7 @@ class DraftService:
             if old is not None:
                 old.close_all()
             self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/")
+            self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
             self.counters["num_connections"] += 1
         logger.info("target %s connected as %s", msg.target_id, conn)
         return HelloReply(self.draft_id, self.fingerprint, None, self.info)
@@ -65,6 +67,7 @@ class DraftService:
             if side is None:
                 raise ProtocolError(f"connection {conn!r} sent a request before Hello")
             reply = side.handle(req)
+            self.targets[conn]["num_requests"] += 1
             c = self.counters
             c["num_requests"] += 1
             c["compute_s"] += reply.stats.compute_s
@@ -100,6 +103,7 @@ class DraftService:
         """The connection is gone: free its sequences."""
         with self.lock:
             side = self.sides.pop(conn, None)
+            self.targets.pop(conn, None)
             if side is not None:
                 side.close_all()
                 logger.info("connection %s closed: freed its sequences", conn)
@@ -109,5 +113,11 @@ class DraftService:
         return sum(s.num_seqs for s in list(self.sides.values()))
 
     def metrics(self) -> dict:
-        return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs,
+        by_target: dict[str, dict] = {}
+        for conn, t in list(self.targets.items()):
+            side = self.sides.get(conn)
+            entry = by_target.setdefault(t["target"], {"num_requests": 0, "num_seqs": 0})
+            entry["num_requests"] += t["num_requests"]
+            entry["num_seqs"] += side.num_seqs if side is not None else 0
+        return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs, "by_target": by_target,
                 "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s}

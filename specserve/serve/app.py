@@ -48,6 +48,10 @@ class APIError(Exception):
                             headers=self.headers)
 
 
+class _DeadTarget(Exception):
+    """The target replica died before this request produced output."""
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable", headers={"Retry-After": "2"})
 
@@ -329,7 +333,7 @@ class Router:
             raise APIError(400, str(exc).split("\n")[-1][:500]) from None
         except Exception as exc:
             if _is_dead_replica(exc):
-                raise unavailable("the target replica failed; retry shortly") from None
+                raise _DeadTarget() from None
             logger.exception("request %s failed before its first token", rid)
             raise APIError(500, f"generation failed (request {rid}); the server logs have the details", "server_error") from None
         self.last_target_ok = time.monotonic()
@@ -338,7 +342,14 @@ class Router:
     async def _run(self, prefix: str, chat: bool, token_ids, params, body):
         rid = f"{prefix}-{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.cfg.server.request_timeout_s
-        gen, first, source = await self._start(rid, token_ids, params, deadline)
+        for attempt in range(3):  # a target replica that died before any output: safe to ask another
+            try:
+                gen, first, source = await self._start(f"{rid}-{attempt}" if attempt else rid, token_ids, params, deadline)
+                break
+            except _DeadTarget:
+                if attempt == 2 or not self.targets_alive():
+                    raise unavailable("the target replica failed; retry shortly") from None
+                await asyncio.sleep(0.2)
         if body.stream:
             return StreamingResponse(self._sse(rid, chat, gen, first, token_ids, body.include_usage, deadline),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -451,7 +462,10 @@ def build_app(args: dict) -> serve.Application:
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": os.environ["SPECSERVE_API_KEY"]})})
     if cfg.server.api_key is None and cfg.server.api_key_file is None and cfg.server.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", cfg.server.host)
-    dump = cfg.model_dump()
+    # Replicas get the configuration without the replica counts: scaling one side (a rolling update)
+    # then changes only that deployment's options and restarts nothing else.
+    scale = {"num_replicas", "autoscaling"}
+    dump = cfg.model_dump(exclude={"target": scale, "draft": scale, "server": {"router_num_replicas"}})
     registry = serve.deployment(Registry, name="Registry", ray_actor_options={"num_cpus": 0}, num_replicas=1,
                                 max_ongoing_requests=1000, logging_config={"enable_access_log": False}).bind()
     if not ray.is_initialized():

@@ -1,0 +1,185 @@
+"""Targets and drafts as independently scaled Serve deployments (M:N), on four logical nodes.
+
+Two target replicas share one draft replica; a rolling update scales the drafts to two
+without restarting the targets; a draft dies and then a target dies. Greedy output stays
+exact throughout, and only a dead target's own in-flight requests may fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specserve import SamplingParams
+from specserve.reference import reference_generate
+
+from .conftest import free_port, node_labels, serve_actors, start_cluster
+
+MODEL = "target"
+PROMPTS = [[5 + i % 11, 6 + i % 7, 7, 8 + i % 5] for i in range(16)]
+N_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    c = start_cluster(targets=2, drafts=2)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def config(tiny_pair, drafts: int) -> dict:
+    return {"target": {"model": tiny_pair["target"], "dtype": "float64", "num_cpus": 0.25, "num_replicas": 2},
+            "draft": {"model": tiny_pair["perturbed"], "dtype": "float64", "num_cpus": 0.25, "num_replicas": drafts},
+            "speculation": {"num_speculative_tokens": 3, "adaptive": False},
+            "cluster": {"use_role_labels": True}}
+
+
+def serve_deploy(tmp_path, port: int, args: dict, overrides: list | None = None) -> None:
+    """`serve deploy` a Serve YAML, the declarative way operators update a running app."""
+    import ray
+
+    app = {"name": "mn", "route_prefix": "/", "import_path": "specserve.serve:build_app", "args": args}
+    if overrides:
+        app["deployments"] = overrides
+    path = tmp_path / f"mn-{len(overrides or [])}.yaml"
+    path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [app]}))
+    dashboard = "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
+    proc = subprocess.run([str(Path(sys.executable).parent / "serve"), "deploy", str(path), "--address", dashboard],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def app(cluster, tiny_pair, tmp_path_factory):
+    from ray import serve
+
+    port = free_port()
+    serve_deploy(tmp_path_factory.mktemp("mn"), port, config(tiny_pair, drafts=1))
+    base = f"http://127.0.0.1:{port}"
+    wait_for(base, targets=2, drafts=1)
+    yield base
+    serve.delete("mn")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_pair):
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float64).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_pair["target"])
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    return [tok.decode(reference_generate(model, p, params), skip_special_tokens=True) for p in PROMPTS]
+
+
+def wait_for(base: str, targets: int, drafts: int, timeout: float = 120) -> dict:
+    deadline, h = time.time() + timeout, None
+    while time.time() < deadline:
+        try:
+            h = httpx.get(f"{base}/health", timeout=5).json()
+            if h.get("targets") == targets and h.get("drafts") == drafts and h.get("status") == "ok":
+                return h
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"expected {targets} targets and {drafts} drafts up: {h}")
+
+
+async def _one(c, base, prompt, stream=False):
+    r = await c.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": N_TOKENS,
+                                                    "temperature": 0, "ignore_eos": True, "stream": stream})
+    if r.status_code != 200:
+        return r.status_code, r.text, None
+    if stream:
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        if any("error" in e for e in events):
+            return 500, r.text, None
+        return 200, "".join(e["choices"][0]["text"] for e in events), None
+    body = r.json()
+    return 200, body["choices"][0]["text"], body["specserve"]["target"]
+
+
+def run_all(base, prompts, stream=False):
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[_one(c, base, p, stream) for p in prompts])
+    return asyncio.run(main())
+
+
+def test_two_targets_share_one_draft(app, expected):
+    from ray import serve
+
+    results = run_all(app, PROMPTS)
+    assert [r[:2] for r in results] == [(200, e) for e in expected]
+    targets = {r[2] for r in results}
+    assert len(targets) == 2, targets  # least-loaded routing used both target replicas
+    registry = serve.get_deployment_handle("Registry", app_name="mn")
+    [draft] = registry.snapshot.remote().result()["draft"].values()
+    assert set(draft["by_target"]) == targets  # one draft answered both targets
+    assert all(t["num_requests"] > 0 for t in draft["by_target"].values())
+    nodes = {n: node_labels(n)["specserve.io/role"] for _, _, n in serve_actors("mn", "Target") + serve_actors("mn", "Draft")}
+    assert set(nodes.values()) == {"target", "draft"}
+
+
+def test_serve_deploy_scales_the_drafts_without_restarting_targets(app, tiny_pair, expected, tmp_path):
+    """Serve's own lightweight update: a `deployments:` override of the Draft deployment."""
+    from ray import serve
+
+    before = {pid for _, pid, _ in serve_actors("mn", "Target")}
+    port = int(app.rsplit(":", 1)[1])
+    serve_deploy(tmp_path, port, config(tiny_pair, drafts=1), overrides=[{"name": "Draft", "num_replicas": 2}])
+    wait_for(app, targets=2, drafts=2)
+    assert {pid for _, pid, _ in serve_actors("mn", "Target")} == before  # only the draft deployment changed
+    status = serve.status().applications["mn"].deployments
+    assert {"Registry", "Draft", "Target", "Router"} <= set(status)
+    results = run_all(app, PROMPTS * 2)
+    assert [r[:2] for r in results] == [(200, e) for e in expected * 2]
+    registry = serve.get_deployment_handle("Registry", app_name="mn")
+    drafts = registry.snapshot.remote().result()["draft"]
+    assert len(drafts) == 2 and all(sum(t["num_requests"] for t in d["by_target"].values()) > 0 for d in drafts.values())
+
+
+def test_a_draft_dies_and_no_request_fails(app, expected):
+    import ray
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            tasks = [asyncio.ensure_future(_one(c, app, p, stream=i % 2 == 1)) for i, p in enumerate(PROMPTS)]
+            await asyncio.sleep(0.3)
+            ray.kill(serve_actors("mn", "Draft")[0][0], no_restart=True)  # Serve replaces it
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(main())
+    assert [r[:2] for r in results] == [(200, e) for e in expected]
+    wait_for(app, targets=2, drafts=2)  # Serve started a new draft replica; targets connect to it
+
+
+def test_a_target_dies_and_only_its_requests_can_fail(app, expected):
+    import ray
+
+    victim, _, _ = serve_actors("mn", "Target")[0]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as c:
+            tasks = [asyncio.ensure_future(_one(c, app, p, stream=True)) for p in PROMPTS]
+            await asyncio.sleep(0.3)
+            ray.kill(victim, no_restart=True)
+            killed = await asyncio.gather(*tasks)
+            after = await asyncio.gather(*[_one(c, app, p) for p in PROMPTS])  # new requests: the surviving target
+            return killed, after
+
+    killed, after = asyncio.run(main())
+    ok = [r for r in killed if r[0] == 200]
+    assert all(r[1] == e for r, e in zip(killed, expected) if r[0] == 200)  # whatever finished is exact
+    assert len(ok) >= len(PROMPTS) // 2 - 2, killed  # the survivor's share finished
+    assert [r[:2] for r in after] == [(200, e) for e in expected]
