@@ -47,15 +47,17 @@ def run_demo(args) -> int:
     from ray import serve
     from ray.cluster_utils import Cluster
 
+    from .distributed.placement import sigint_shielded
     from .preflight import check_port
     from .serve import build_app
 
     check_port(args.host, args.port)
     steps = 5
     t0 = _step(1, steps, "starting a local Ray cluster: node 'target' + node 'draft' (labels specserve.io/role)")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "labels": {ROLE: "target"}})
-    cluster.add_node(num_cpus=2, labels={ROLE: "draft"})
-    ray.init(address=cluster.address, log_to_driver=False)
+    with sigint_shielded():  # Ctrl-C reaches this process only; the finally below stops Ray in order
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "labels": {ROLE: "target"}})
+        cluster.add_node(num_cpus=2, labels={ROLE: "draft"})
+        ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     print(f"      ready in {time.perf_counter() - t0:.1f}s", flush=True)
     try:
@@ -129,14 +131,10 @@ def run_demo(args) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        print("stopping ...", flush=True)
         return 0
     finally:
-        for app in ("baseline", "specserve"):
-            try:
-                serve.delete(app, _blocking=True)
-            except Exception:  # never deployed
-                pass
-        ray.shutdown()
+        ray.shutdown()  # the whole cluster is ours: stopping its nodes stops Serve and every replica
         cluster.shutdown()
 
 

@@ -39,7 +39,7 @@ def load_tokenizer(model: str, trust_remote_code: bool = False):
     try:
         return AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        logger.info("no tokenizer for %s (%s): prompts must be token ids", model, type(exc).__name__)
+        logger.debug("no tokenizer for %s (%s): prompts must be token ids", model, type(exc).__name__)
         return None
 
 

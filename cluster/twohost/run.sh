@@ -69,7 +69,7 @@ make_state() {
   python3 -c 'import secrets; print(secrets.token_hex(32), end="")' > "$STATE/auth_token"
   chmod 600 "$STATE/auth_token"
   printf 'SPECSERVE_CHANNEL_DELAY_MS=%s\n' "$DELAY_MS" > "$STATE/node.env"
-  local py_bin keep
+  local py_bin keep keep_tmp
   py_bin=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
   # Top-level entries of /root that the interpreter lives in must stay visible.
   keep=$(python3 - <<'EOF'
@@ -78,11 +78,20 @@ paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.executab
 print("\n".join(sorted({p.split("/")[2] for p in paths if p.startswith("/root/")})))
 EOF
 )
+  # A virtualenv under /tmp (e.g. inside a fresh clone there) stays visible at the same path
+  # inside each host, whose own /tmp is private.
+  keep_tmp=$(python3 - <<'EOF'
+import os, sys
+paths = {os.path.realpath(p) for p in (sys.prefix, os.path.dirname(os.path.realpath(sys.executable)))}
+print("\n".join(sorted(p for p in paths if p.startswith("/tmp/") and os.path.isdir(p))))
+EOF
+)
   for h in "${HOSTS[@]}"; do
     local d=$STATE/$h
     mkdir -p "$d"
     ssh-keygen -q -t ed25519 -N '' -f "$d/ssh_host_ed25519_key"
     printf '%s\n' "$keep" > "$d/home_keep"
+    printf '%s\n' "$keep_tmp" > "$d/tmp_keep"
     printf '%s\n' "export PATH=\"$py_bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\"" \
       > "$d/bashrc"
     cat > "$d/sshd_config" <<EOF

@@ -11,8 +11,11 @@ node can satisfy fails within seconds, naming the label or resource and what nod
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 
 from ..config import ClusterConfig, SideConfig
 
@@ -21,6 +24,21 @@ logger = logging.getLogger(__name__)
 
 class PlacementError(ValueError):
     """The requested placement cannot be satisfied by any node of the cluster."""
+
+
+@contextlib.contextmanager
+def sigint_shielded():
+    """Processes started inside inherit an ignored SIGINT: a terminal's Ctrl-C then reaches only
+    this driver, whose shutdown stops Ray in order, instead of killing the raylet under its workers
+    (orphaned workers, e.g. Serve's proxy holding the HTTP port, linger for a minute)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def connect(cluster: ClusterConfig, log_to_driver: bool = True) -> bool:
@@ -33,7 +51,8 @@ def connect(cluster: ClusterConfig, log_to_driver: bool = True) -> bool:
     env = cluster.runtime_env or None
     if address == "local":
         logger.info("starting a local Ray cluster (set cluster address or RAY_ADDRESS to join a running one)")
-        ray.init(address="local", runtime_env=env, log_to_driver=log_to_driver, include_dashboard=False)
+        with sigint_shielded():
+            ray.init(address="local", runtime_env=env, log_to_driver=log_to_driver, include_dashboard=False)
         return True
     try:
         ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)

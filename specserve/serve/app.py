@@ -167,15 +167,21 @@ class Router:
         self._info_lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
         self.created = int(time.time())
+        asyncio.get_running_loop().call_soon(self._ensure_poller)  # Serve builds replicas on their loop: watch (and say "ready") at once
 
     # -- the registry ---------------------------------------------------------------------------
     async def _poll_registry(self) -> None:
+        announced = False
         while True:
             try:
                 self.snapshot = await asyncio.wait_for(self.registry.snapshot.remote(), timeout=2)
                 self.snapshot_at = time.monotonic()
             except Exception as exc:  # the registry restarts: keep the last snapshot, say it is stale
                 logger.debug("registry poll failed: %s", exc)
+            targets, drafts = len(self.snapshot["target"]), len(self.snapshot["draft"])
+            if not announced and targets and (drafts or not self.cfg.speculative):
+                announced = True  # `serve run` forwards this line: it says when to connect
+                logger.warning("ready: model id %r, %d target and %d draft replica(s) up", self.model_name, targets, drafts)
             await asyncio.sleep(REGISTRY_POLL_S)
 
     def _ensure_poller(self) -> None:

@@ -1,7 +1,8 @@
-"""The README's commands, run as a user would: `specserve demo --once`, `specserve serve`, `serve run`.
+"""The README's commands, run as written, and the startup-error contract of `specserve serve`.
 
-Each starts (and tears down) its own Ray cluster in a subprocess, so this module must not
-share a cluster fixture with others.
+Blocks marked ``<!-- test: NAME -->`` in README.md are extracted and run verbatim (the HTTP
+snippets against the server the README starts). Each server runs in a subprocess with its
+own Ray, so this module shares no cluster fixture.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,20 +22,88 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
 CARD = ROOT / "specserve" / "demo_models" / "target" / "README.md"
+BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def block(name: str) -> str:
+    """The code block right after ``<!-- test: name -->`` in README.md."""
+    m = re.search(rf"<!-- test: {re.escape(name)} -->\s*```\w*\n(.*?)```", README, re.S)
+    assert m, f"README.md has no block marked 'test: {name}'"
+    return m.group(1)
 
 
-def env():
+def env() -> dict:
     e = dict(os.environ)
     e.pop("RAY_ADDRESS", None)
+    e.pop("SPECSERVE_API_KEY", None)
     e["TOKENIZERS_PARALLELISM"] = "false"
+    e["PATH"] = f"{BIN}:{e.get('PATH', '')}"
     return e
+
+
+def port_free(port: int, wait_s: float = 30) -> bool:
+    """Whether a server could bind the port (SO_REUSEADDR, as uvicorn), waiting a little for a previous one."""
+    deadline = time.time() + wait_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                if time.time() > deadline:
+                    return False
+        time.sleep(0.5)
+
+
+class Server:
+    """A command that serves until SIGINT; waits (with a deadline) for a line matching ``ready``."""
+
+    def __init__(self, cmd: str, ready: str, cwd: Path, extra_env: dict | None = None, timeout: float = 240):
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**env(), **(extra_env or {})}, cwd=cwd, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if any(re.search(ready, line) for line in list(self.lines)):
+                return
+            if self.proc.poll() is not None:
+                self._reader.join(5)
+                raise AssertionError(f"{cmd!r} exited {self.proc.returncode}:\n" + "".join(self.lines[-60:]))
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"{cmd!r} never printed {ready!r} within {timeout}s:\n" + "".join(self.lines[-60:]))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                raise AssertionError("did not stop within 60s of Ctrl-C:\n" + "".join(self.lines[-40:]))
+        self._reader.join(10)
+        return "".join(self.lines)
+
+
+def run_bash(script: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", "-e", "-c", script], capture_output=True, text=True, env=env(), cwd=cwd, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def run_python(code: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=cwd, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def demo_range() -> tuple[float, float]:
@@ -43,64 +113,162 @@ def demo_range() -> tuple[float, float]:
     return float(m.group(1)), float(m.group(2))
 
 
-def test_demo_once(tmp_path):
+def test_quickstart_commands_are_the_ones_ci_runs():
+    lines = [ln.split("#")[0].strip() for ln in block("quickstart").strip().splitlines()]
+    assert lines[0] == "pip install -c constraints-cpu.txt -e . && specserve demo"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert lines[1] in ci, "the README's test command must be what .ci/run runs"
+
+
+def test_demo_reports_then_serves_the_commands_it_prints(tmp_path):
+    """The main job (`specserve demo`): its report, then the curl/openai commands it prints, as printed."""
+    if not port_free(8000):
+        pytest.skip("port 8000 is busy: the demo serves on 8000 as the README says")
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "specserve.cli", "demo", "--once", "--port", str(free_port()),
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, env=env(), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "acceptance rate" in proc.stdout and "tok/s" in proc.stdout
-    report = json.loads(out.read_text())
-    low, high = demo_range()
-    assert low <= report["acceptance_rate"] <= high, report["acceptance_rate"]
-    assert all(r["identical_to_target_only"] for r in report["rows"])
-    assert report["speculative_tok_s"] > 0 and report["target_only_tok_s"] > 0
-
-
-def _serve_and_query(cmd, port, tmp_path, model):
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(), cwd=tmp_path,
-                            start_new_session=True)
+    server = Server(f"specserve demo --json {out}", r"\(Ctrl-C to stop\)", tmp_path, timeout=400)
     try:
-        deadline, last = time.time() + 240, None
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError as exc:
-                last = exc
-            time.sleep(1)
-        else:
-            pytest.fail(f"server never came up: {last}")
-        assert r.json()["data"][0]["id"] == model
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                       json={"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] >= 1
-        return r.json()
+        report = json.loads(out.read_text())
+        low, high = demo_range()
+        assert low <= report["acceptance_rate"] <= high, report["acceptance_rate"]
+        assert all(r["identical_to_target_only"] for r in report["rows"])
+        assert report["speculative_tok_s"] > 0 and report["target_only_tok_s"] > 0 and report["chat"]
+        printed = [ln.strip() for ln in server.lines if ln.strip().startswith(("curl ", "python -c"))]
+        assert len(printed) == 3  # curl completions, openai completions, openai chat
+        for cmd in printed:
+            proc = run_bash(cmd, tmp_path, timeout=120)
+            assert proc.stdout.strip(), cmd
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        output = server.stop()
+    assert "acceptance rate" in output and "tok/s" in output and "all outputs identical to target-only" in output
+    assert "Traceback" not in output and "graceful_shutdown" not in output
 
 
-def test_specserve_serve(tmp_path):
-    port = free_port()
-    body = _serve_and_query([sys.executable, "-m", "specserve.cli", "serve", "--target", "demo:target", "--draft", "demo:draft",
-                             "--port", str(port), "--address", "local", "--model-name", "demo"], port, tmp_path, "demo")
-    assert body["specserve"]["num_draft_tokens"] > 0
+def test_readme_batch_example(tmp_path):
+    out = run_python(block("batch"), tmp_path).stdout
+    assert out.count("length") + out.count("stop") >= 2
 
 
-def test_serve_run_single_node_yaml(tmp_path):
+def test_readme_generate_block(tmp_path):
+    run_bash(block("generate"), tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and all(r["text"] for r in rows)
+
+
+def test_readme_http_walkthrough(tmp_path):
+    """`specserve serve` as the README writes it, then its curl and openai snippets verbatim."""
+    if not port_free(8000):
+        pytest.skip("port 8000 is busy: the README's walk-through serves on 8000")
+    server = Server(block("serve").split("#")[0].strip(), r"^ready: http://127\.0\.0\.1:8000/v1 \(model id 'demo'\)", tmp_path)
+    try:
+        body = json.loads(run_bash(block("curl"), tmp_path).stdout)
+        assert body["model"] == "demo" and body["choices"][0]["text"] and body["specserve"]["num_steps"] > 0
+        out = run_python(block("openai"), tmp_path).stdout
+        assert len(out.strip().splitlines()) >= 2
+    finally:
+        output = server.stop()
+    assert "loading target" in output and "loading draft" in output  # progress from the nodes
+    assert "stopping" in output and "Traceback" not in output and "graceful_shutdown" not in output
+
+
+def test_readme_serve_run_yaml(tmp_path):
+    if not port_free(8000):
+        pytest.skip("port 8000 is busy")
+    server = Server(block("serve-run").strip(), r"ready: model id 'demo', 1 target and 1 draft", ROOT)
+    try:
+        r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=120,
+                       json={"model": "demo", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["specserve"]["num_steps"] > 0
+    finally:
+        server.stop()
+
+
+def test_one_config_file_drives_llm_serve_and_serve_run(tmp_path):
+    """`specserve config` writes the file; LLM, `specserve serve --config` and `serve run` all use it."""
+    script = block("config")
+    write, serve_cmd = [ln.split("#")[0].strip() for ln in script.strip().splitlines()]
+    run_bash(write, tmp_path)
+    path = tmp_path / "my-config.yaml"
+    prompt = [5, 6, 7, 8]
+    llm_out = json.loads(run_python(
+        "import json; from specserve import LLM, SamplingParams\n"
+        f"llm = LLM(config={str(path)!r})\n"
+        f"o = llm.generate([{prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]\n"
+        "print(json.dumps(o.token_ids)); llm.shutdown()", tmp_path).stdout.strip().splitlines()[-1])
+    server = Server(serve_cmd, r"^ready: http://127\.0\.0\.1:8001/v1", tmp_path)
+    try:
+        r = httpx.post("http://127.0.0.1:8001/v1/completions", timeout=120,
+                       json={"model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        serve_text = r.json()["choices"][0]["text"]
+    finally:
+        server.stop()
     import yaml
 
+    port = 8002
+    serve_yaml = tmp_path / "serve.yaml"
+    serve_yaml.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [
+        {"name": "specserve", "route_prefix": "/", "import_path": "specserve.serve:build_app", "args": {"config": str(path)}}]}))
+    server = Server(f"serve run {serve_yaml}", r"ready: model id 'demo'", tmp_path)
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                       json={"model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == serve_text
+    finally:
+        server.stop()
+    from transformers import AutoTokenizer
+
+    from specserve.demo_models import TARGET_PATH
+
+    assert AutoTokenizer.from_pretrained(TARGET_PATH).decode(llm_out, skip_special_tokens=True) == serve_text
+
+
+@pytest.mark.parametrize("args, message", [
+    ("--target /no/such/model --draft demo:draft", "target '/no/such/model': no such directory"),
+    ("--target demo:target --draft {other}", "draft and target vocabularies cannot be matched"),
+    ("--target demo:target --num-speculative-tokens -1", "num_speculative_tokens: Input should be greater than or equal to 0"),
+    ("--target demo:target --port {busy}", "is not free"),
+    ("--target demo:target --device cuda", "target_device='cuda' needs target_num_gpus >= 1"),
+])
+def test_startup_errors_arrive_before_ray_starts(tmp_path, args, message):
+    from ..conftest import make_model
+
+    make_model(tmp_path / "other", vocab_size=80, tokenizer=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        cmd = f"specserve serve {args.format(other=tmp_path / 'other', busy=busy.getsockname()[1])}"
+        start = time.time()
+        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=120)
+    elapsed = time.time() - start
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line, no traceback
+    output = proc.stdout + proc.stderr
+    assert "Started a local Ray instance" not in output and "Started Serve" not in output and elapsed < 20  # Ray never started
+
+
+def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path):
+    """SPECSERVE_API_KEY in the shell of `specserve serve --address <running cluster>` is enforced
+    by the router replica, whose own environment does not have it."""
+    from .conftest import free_port
+
+    gcs_port = free_port()
+    no_token = {"RAY_AUTH_MODE": "disabled"}  # someone else's plain cluster (token auth is cluster/README's topic)
+    head = subprocess.run(f"ray start --head --port={gcs_port} --num-cpus=2 --include-dashboard=false --disable-usage-stats",
+                          shell=True, capture_output=True, text=True, env={**env(), **no_token}, timeout=120)
+    assert head.returncode == 0, head.stdout + head.stderr
+    address = f"127.0.0.1:{gcs_port}"
     port = free_port()
-    config = yaml.safe_load((ROOT / "deployments" / "single_node.yaml").read_text())
-    config["http_options"]["port"] = port
-    path = tmp_path / "single_node.yaml"
-    path.write_text(yaml.safe_dump(config))
-    serve_bin = Path(sys.executable).parent / "serve"
-    body = _serve_and_query([str(serve_bin), "run", str(path)], port, tmp_path, "demo")
-    assert body["specserve"]["num_draft_tokens"] > 0
+    try:
+        server = Server(f"specserve serve --target demo:target --address {address} --port {port}", r"^ready:", tmp_path,
+                        extra_env={"SPECSERVE_API_KEY": "s3cret", **no_token})
+        try:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            body = {"model": "demo", "prompt": "def f(x):", "max_tokens": 4}
+            assert httpx.post(url, json=body, timeout=60).status_code == 401
+            assert httpx.post(url, json=body, timeout=60, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        finally:
+            server.stop()
+    finally:
+        subprocess.run("ray stop --force", shell=True, capture_output=True, env={**env(), **no_token}, timeout=120)

@@ -1,7 +1,7 @@
 """GPU checks: run on a lent GPU machine; skipped cleanly without CUDA.
 
 `python -m pytest tests/gpu -m gpu` on a machine with one GPU runs the single-GPU checks;
-the NCCL channel check needs two GPUs (NCCL refuses two ranks on one GPU).
+the NCCL tensor path needs two GPUs (NCCL refuses two ranks on one GPU).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from specserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL channel needs two GPUs")
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL path needs two GPUs")
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(12, 40))]
 
@@ -22,10 +22,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(12, 40))]
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_on_cuda_equals_target_only(tiny_pair, dtype):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(tiny_pair["target"], dtype=dtype, device="cuda").generate(PROMPTS, params, use_tqdm=False)
+    with LLM(tiny_pair["target"], dtype=dtype, device="cuda") as llm:
+        ref = llm.generate(PROMPTS, params, use_tqdm=False)
     for draft in (tiny_pair["perturbed"], "ngram"):
-        outs = LLM(tiny_pair["target"], draft=draft, num_speculative_tokens=4, dtype=dtype, device="cuda").generate(
-            PROMPTS, params, use_tqdm=False)
+        with LLM(tiny_pair["target"], draft=draft, num_speculative_tokens=4, dtype=dtype, device="cuda", adaptive=False) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
         if dtype == "float32":
             assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
         else:  # bf16 batched-vs-step numerics may flip near-ties; the draft must still be accepted often
@@ -33,32 +34,45 @@ def test_greedy_on_cuda_equals_target_only(tiny_pair, dtype):
 
 
 @needs_cuda
+def test_seeded_sampling_on_cuda_equals_the_reference(tiny_pair):
+    from transformers import AutoModelForCausalLM
+
+    from specserve.reference import reference_generate
+
+    params = [SamplingParams(temperature=0.9, max_tokens=16, seed=s, ignore_eos=True) for s in range(3)]
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float64).cuda().eval()
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair["perturbed"], dtype=torch.float64).cuda().eval()
+    ref = [reference_generate(target, p, sp, draft, 3) for p, sp in zip(PROMPTS, params)]
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64", device="cuda",
+             adaptive=False) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == ref
+
+
+@needs_cuda
 def test_draft_on_cpu_target_on_cuda(tiny_pair):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = LLM(tiny_pair["target"], device="cuda").generate(PROMPTS, params, use_tqdm=False)
-    outs = LLM(tiny_pair["target"], draft=tiny_pair["same"], device="cuda", draft_device="cpu",
-               num_speculative_tokens=4).generate(PROMPTS, params, use_tqdm=False)
+    with LLM(tiny_pair["target"], device="cuda") as llm:
+        ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    with LLM(tiny_pair["target"], draft=tiny_pair["same"], target_device="cuda", draft_device="cpu",
+             num_speculative_tokens=4) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
 
 @needs_two
-def test_nccl_channel(tiny_pair):
+def test_nccl_tensor_path(tiny_pair):
     import ray
     from ray.cluster_utils import Cluster
-
-    from specserve import EngineConfig, SideConfig
-    from specserve.distributed import Placement
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "labels": {"specserve.io/role": "target"}})
     cluster.add_node(num_cpus=2, num_gpus=1, labels={"specserve.io/role": "draft"})
     ray.init(address=cluster.address)
     try:
-        cfg = EngineConfig(target=SideConfig(tiny_pair["target"], device="cuda", num_gpus=1, num_cpus=0.5),
-                           draft=SideConfig(tiny_pair["perturbed"], device="cuda", num_gpus=1, num_cpus=0.5))
-        llm = LLM.from_config(cfg, Placement(channel="collective", collective_backend="nccl"))
+        llm = LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], device="cuda", target_num_gpus=1, draft_num_gpus=1,
+                  channel_tensors="collective", collective_backend="nccl", ray=True, adaptive=False)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=16, seed=1, ignore_eos=True), use_tqdm=False)
         assert all(len(o.token_ids) == 16 for o in outs)
-        assert llm.metrics()["channel_tensor_bytes"] > 0
+        assert llm.metrics()["drafts"]["tensor_bytes"] > 0
         llm.shutdown()
     finally:
         ray.shutdown()
