@@ -98,7 +98,9 @@ class DraftBlock:
     request_id: str
     base_len: int  # committed length the drafts continue
     draft_token_ids: list[int]  # [num_draft_tokens]
-    draft_probs: np.ndarray | None = None  # [num_draft_tokens, vocab] float32, or None: point mass
+    # [num_draft_tokens, vocab] float32, or None: a point mass. numpy from the wire; a torch tensor
+    # (possibly on the GPU) when a tensor link carried it beside the message.
+    draft_probs: np.ndarray | None = None
     cache_hit: bool = False  # answered from the speculation cache (no drafting on the critical path)
 
 

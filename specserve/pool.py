@@ -73,6 +73,7 @@ class DraftPool:
         self.assignment: dict[str, str] = {}  # request id -> draft name
         self.orphans: set[str] = set()  # live sequences without a draft (target-only until one connects)
         self.refused: dict[str, str] = {}  # draft name -> why it refused this target (vocabulary)
+        self._closed_tensor_bytes = 0  # bytes of probabilities received over links since dropped
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0}
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
@@ -192,6 +193,7 @@ class DraftPool:
         if self.drafts.pop(d.name, None) is None:
             return
         self.counters["num_draft_failures"] += 1
+        self._closed_tensor_bytes += getattr(d.endpoint, "tensor_bytes", 0)
         logger.warning("draft %s unavailable (%s): %d sequences move to %s", d.name, exc, len(d.seqs),
                        ", ".join(self.drafts) or "target-only decoding")
         d.endpoint.close()
@@ -293,6 +295,7 @@ class DraftPool:
                        for name, d in list(self.drafts.items())},
             "refused": dict(self.refused),
             "num_orphans": len(self.orphans),
+            "tensor_bytes": sum(getattr(d.endpoint, "tensor_bytes", 0) for d in list(self.drafts.values())) + self._closed_tensor_bytes,
             **self.counters,
         }
 

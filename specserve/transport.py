@@ -6,12 +6,16 @@ draft it uses before waiting on any). Draft side, ``DraftServer`` is one thread 
 accepts connections, answers each request and then lets the service draft ahead until any
 socket is readable again. A Ray actor call costs ~1 ms; a frame over loopback ~30 us, so
 the step path uses sockets and Ray only places and supervises the processes.
-``delay_ms`` emulates a slow link (one way, applied in both directions). Knows nothing of
-Ray or models; every failure surfaces as ``DraftUnavailable``.
+Draft probabilities travel inline by default; with a ``TensorLink`` (e.g. a ``ray.util.collective``
+group: gloo on CPUs, NCCL between GPUs) a reply's probabilities are stripped into one packed
+tensor sent over the link right after the frame. ``delay_ms`` emulates a slow link (one way,
+applied in both directions). Knows nothing of Ray or models; every failure surfaces as
+``DraftUnavailable``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import selectors
@@ -19,15 +23,20 @@ import socket
 import struct
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import msgpack
 
 from .draft_service import DraftService
 from .messages import Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<I")
+_HEADER = struct.Struct("<IB")  # payload length, frame kind
 MAX_FRAME_BYTES = 1 << 30
+MESSAGE, MESSAGE_WITH_TENSOR, LINK_SETUP = 0, 1, 2  # frame kinds
 _conn_ids = itertools.count()
 
 
@@ -35,8 +44,8 @@ class DraftUnavailable(ConnectionError):
     """The draft endpoint cannot answer: refused, closed, timed out or sent garbage."""
 
 
-def send_frame(sock: socket.socket, data: bytes) -> None:
-    sock.sendmsg([_HEADER.pack(len(data)), data])
+def send_frame(sock: socket.socket, data: bytes, kind: int = MESSAGE) -> None:
+    sock.sendmsg([_HEADER.pack(len(data), kind), data])
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -50,11 +59,44 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+    size, kind = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     if size > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    return _recv_exact(sock, size)
+    if kind not in (MESSAGE, MESSAGE_WITH_TENSOR, LINK_SETUP):
+        raise ProtocolError(f"unknown frame kind {kind}")
+    return kind, _recv_exact(sock, size)
+
+
+class TensorLink(Protocol):
+    """Where draft probabilities travel when not inline: one packed [rows, vocab] tensor per reply."""
+
+    def send(self, tensor) -> None: ...
+
+    def recv(self, rows: int, vocab: int): ...
+
+    def close(self) -> None: ...
+
+
+def strip_probs(reply: ProposeReply):
+    """(reply without probabilities, layout, packed [rows, vocab] float32 tensor) or (reply, None, None)."""
+    import torch
+
+    with_probs = [b for b in reply.blocks if b.draft_probs is not None and len(b.draft_token_ids)]
+    if not with_probs:
+        return reply, None, None
+    packed = torch.cat([torch.as_tensor(b.draft_probs, dtype=torch.float32) for b in with_probs])
+    rows = [len(b.draft_token_ids) if b.draft_probs is not None and len(b.draft_token_ids) else 0 for b in reply.blocks]
+    blocks = [dataclasses.replace(b, draft_probs=None) for b in reply.blocks]
+    return dataclasses.replace(reply, blocks=blocks), {"rows": rows, "vocab": int(packed.shape[1])}, packed
+
+
+def attach_probs(reply: ProposeReply, layout: dict, packed) -> ProposeReply:
+    blocks, start = [], 0
+    for b, n in zip(reply.blocks, layout["rows"]):
+        blocks.append(dataclasses.replace(b, draft_probs=packed[start:start + n]) if n else b)
+        start += n
+    return dataclasses.replace(reply, blocks=blocks)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -65,11 +107,14 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class SocketEndpoint:
-    """A target's TCP connection to one draft server."""
+    """A target's TCP connection to one draft server (and, optionally, a tensor link beside it)."""
 
-    def __init__(self, address: str, delay_ms: float = 0.0, connect_timeout_s: float = 2.0):
+    def __init__(self, address: str, delay_ms: float = 0.0, connect_timeout_s: float = 2.0, link_factory=None):
         self.name = address
         self.delay_s = delay_ms / 1000.0
+        self.link_factory = link_factory  # (group name) -> TensorLink of rank 0; None: probabilities inline
+        self.link: TensorLink | None = None
+        self.tensor_bytes = 0
         try:
             self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout_s)
         except OSError as exc:
@@ -86,7 +131,23 @@ class SocketEndpoint:
         reply = self.recv(timeout_s)
         if not isinstance(reply, HelloReply):
             raise self._call_failed(ProtocolError(f"expected HelloReply, got {type(reply).__name__}"))
+        if reply.error is None and self.link_factory is not None:
+            self._setup_link(timeout_s)
         return reply
+
+    def _setup_link(self, timeout_s: float) -> None:
+        """Both ends join a fresh two-rank group (the draft in a helper thread, this end here)."""
+        group = f"specserve-{uuid.uuid4().hex[:12]}"
+        try:
+            self.sock.settimeout(timeout_s)
+            send_frame(self.sock, msgpack.packb({"group": group}), LINK_SETUP)
+            self.link = self.link_factory(group)
+            kind, data = recv_frame(self.sock)
+            answer = msgpack.unpackb(data) if kind == LINK_SETUP else {"error": "no link setup answer"}
+        except (OSError, ProtocolError, RuntimeError) as exc:
+            raise self._call_failed(exc) from None
+        if answer.get("error"):
+            raise self._call_failed(RuntimeError(f"tensor link: {answer['error']}"))
 
     def send(self, msg) -> None:
         if self.delay_s:
@@ -100,8 +161,17 @@ class SocketEndpoint:
     def recv(self, timeout_s: float):
         try:
             self.sock.settimeout(timeout_s)
-            msg = decode(recv_frame(self.sock))
-        except (OSError, ProtocolError) as exc:
+            kind, data = recv_frame(self.sock)
+            if kind == MESSAGE_WITH_TENSOR and self.link is not None:
+                layout, body = msgpack.unpackb(data)
+                packed = self.link.recv(sum(layout["rows"]), layout["vocab"])
+                self.tensor_bytes += packed.numel() * packed.element_size()
+                msg = attach_probs(decode(body), layout, packed)
+            elif kind == MESSAGE:
+                msg = decode(data)
+            else:
+                raise ProtocolError(f"unexpected frame kind {kind}")
+        except (OSError, ProtocolError, RuntimeError) as exc:
             raise self._call_failed(exc) from None
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -112,6 +182,9 @@ class SocketEndpoint:
             self.sock.close()
         except OSError:
             pass
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
 
 class LocalEndpoint:
@@ -146,8 +219,11 @@ class LocalEndpoint:
 class DraftServer:
     """TCP front of a ``DraftService``: one thread accepts, answers, then drafts ahead."""
 
-    def __init__(self, service: DraftService, host: str = "0.0.0.0", port: int = 0, advertise_host: str | None = None):
+    def __init__(self, service: DraftService, host: str = "0.0.0.0", port: int = 0, advertise_host: str | None = None,
+                 link_factory=None):
         self.service = service
+        self.link_factory = link_factory  # (group name) -> TensorLink of rank 1; None: refuse tensor links
+        self.links: dict[socket.socket, TensorLink] = {}
         self.listener = socket.create_server((host, port), reuse_port=False)
         self.listener.setblocking(False)
         bound_port = self.listener.getsockname()[1]
@@ -190,13 +266,26 @@ class DraftServer:
         conn = self._conns[sock]
         try:
             sock.settimeout(30.0)  # a frame that started must finish
-            msg = decode(recv_frame(sock))
+            kind, data = recv_frame(sock)
+            if kind == LINK_SETUP:
+                self._setup_link(sock, msgpack.unpackb(data))
+                return False
+            msg = decode(data)
             if isinstance(msg, Hello):
                 send_frame(sock, encode(self.service.hello(conn, msg)))
                 return False
             if not isinstance(msg, ProposeRequest):
                 raise ProtocolError(f"unexpected {type(msg).__name__}")
-            send_frame(sock, encode(self.service.handle(conn, msg)))
+            reply = self.service.handle(conn, msg)
+            link = self.links.get(sock)
+            layout = packed = None
+            if link is not None:
+                reply, layout, packed = strip_probs(reply)
+            if layout is None:
+                send_frame(sock, encode(reply))
+            else:
+                send_frame(sock, msgpack.packb([layout, encode(reply)]), MESSAGE_WITH_TENSOR)
+                link.send(packed)
             return True
         except (OSError, ProtocolError) as exc:
             if not isinstance(exc, ConnectionError):
@@ -208,7 +297,22 @@ class DraftServer:
             self._drop(sock)
             return False
 
+    def _setup_link(self, sock: socket.socket, request) -> None:
+        """Join the target's two-rank group (blocking until it joins too), then answer."""
+        if self.link_factory is None or not isinstance(request, dict) or not isinstance(request.get("group"), str):
+            send_frame(sock, msgpack.packb({"error": "this draft offers no tensor link"}), LINK_SETUP)
+            return
+        try:
+            self.links[sock] = self.link_factory(request["group"])
+            send_frame(sock, msgpack.packb({"ok": True}), LINK_SETUP)
+        except Exception as exc:  # the target falls back to reconnecting (and says why)
+            logger.warning("tensor link %s failed: %s", request["group"], exc)
+            send_frame(sock, msgpack.packb({"error": f"{type(exc).__name__}: {exc}"}), LINK_SETUP)
+
     def _drop(self, sock: socket.socket) -> None:
+        link = self.links.pop(sock, None)
+        if link is not None:
+            link.close()
         conn = self._conns.pop(sock, None)
         try:
             self._sel.unregister(sock)

@@ -121,7 +121,12 @@ class DraftWorker:
         started = time.perf_counter()
         logger.info("loading draft %s on node %s", self.config.draft.model or self.config.draft.drafter, info["node_id"][:8])
         self.service = build_draft_service(self.config, self.name, info)
-        self.server = DraftServer(self.service, port=self.config.channel.draft_port)
+        links = None
+        if self.config.channel.tensors == "collective":
+            from .collective import link_factory
+
+            links = link_factory(self.config.channel.collective_backend, rank=1, device=self.config.draft.device)
+        self.server = DraftServer(self.service, port=self.config.channel.draft_port, link_factory=links)
         self.info = {**info, "name": self.name, "address": self.server.address, "load_s": time.perf_counter() - started}
         logger.info("draft %s serving at %s (loaded in %.1fs)", self.name, self.server.address, self.info["load_s"])
         self._announcer = _Announcer(registry, "draft", self.name, self.metrics) if registry is not None else None
@@ -183,8 +188,13 @@ class TargetWorker:
         self.registry = registry  # Serve: drafts are found here (draft_deployment only ties the app graph together)
         if cfg.speculative:
             delay = cfg.channel.delay_ms
+            links = None
+            if cfg.channel.tensors == "collective":
+                from .collective import link_factory
+
+                links = link_factory(cfg.channel.collective_backend, rank=0, device=cfg.target.device)
             core.pool = DraftPool(
-                discover=self._discover, connect=lambda name, address: SocketEndpoint(address, delay),
+                discover=self._discover, connect=lambda name, address: SocketEndpoint(address, delay, link_factory=links),
                 hello=Hello(self.name, target.vocab_fingerprint()), reopen=core.reopen,
                 min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
             )

@@ -151,3 +151,17 @@ def test_custom_resource_fallback(ray_cluster, tiny_pair, reference):
         llm.shutdown()
     with pytest.raises(PlacementError, match="offers specserve_draft=5"):
         ray_llm(tiny_pair, use_role_labels=False, draft_resources={"specserve_draft": 5})
+
+
+def test_probabilities_over_a_gloo_collective_link(ray_cluster, tiny_pair):
+    """channel_tensors='collective': draft probabilities travel as one packed tensor per reply over
+    ray.util.collective (gloo here, NCCL between GPUs); seeded sampled output is unchanged."""
+    params = [SamplingParams(temperature=0.9, max_tokens=10, seed=s, ignore_eos=True) for s in range(6)]
+    llm = ray_llm(tiny_pair, k=3, adaptive=False, channel_tensors="collective", collective_backend="gloo")
+    try:
+        remote = [o.token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
+        assert llm.metrics()["drafts"]["tensor_bytes"] > 0
+    finally:
+        llm.shutdown()
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64", adaptive=False) as local:
+        assert remote == [o.token_ids for o in local.generate(PROMPTS[:6], params, use_tqdm=False)]
