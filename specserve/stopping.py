@@ -2,12 +2,40 @@
 
 Called on each verified block before it is committed, so a stop inside an accepted block
 cuts the block there. Also produces the streamed text deltas, holding back text that may
-be the start of a stop string or an incomplete UTF-8 character. Knows nothing of models.
+be the start of a stop string or an incomplete UTF-8 character. Text is detokenized
+incrementally (``tokenizers``' ``DecodeStream``: O(new tokens) per step, not O(output)),
+falling back to decoding the whole output for tokenizers it cannot serve. Knows nothing of models.
 """
 
 from __future__ import annotations
 
 from .sampling_params import SamplingParams
+
+
+class _Detokenizer:
+    """Output text, grown token by token; the same text ``tokenizer.decode(ids)`` gives."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.stream = None
+        fast = getattr(tokenizer, "_tokenizer", None)
+        if fast is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            try:
+                from tokenizers.decoders import DecodeStream
+
+                self.stream, self.fast = DecodeStream(skip_special_tokens=skip_special_tokens), fast
+            except ImportError:  # tokenizers < 0.21: decode the whole output instead
+                pass
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        if self.stream is not None:
+            self.text += self.stream.step(self.fast, token_id) or ""
+        else:
+            self.text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        return self.text
 
 
 class StopChecker:
@@ -25,9 +53,7 @@ class StopChecker:
         self.stop_reason: str | int | None = None
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the target model has none (use stop_token_ids)")
-
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        self._detok = _Detokenizer(tokenizer, params.skip_special_tokens) if tokenizer is not None else None
 
     def append(self, token_ids: list[int]) -> list[int]:
         """Append verified tokens up to the first stop; returns the tokens kept."""
@@ -35,20 +61,20 @@ class StopChecker:
         for tok in token_ids:
             self.output_token_ids.append(tok)
             kept.append(tok)
+            text = self._detok.add(tok) if self._detok is not None else None
             if tok in self.eos_token_ids or tok in self.stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", (None if tok in self.eos_token_ids else tok)
-            elif self.params.stop and self._match_stop_string():
+            elif self.params.stop and self._match_stop_string(text):
                 self.finish_reason = "stop"
             elif len(self.output_token_ids) >= self.params.max_tokens or self.prompt_len + len(self.output_token_ids) >= self.max_model_len:
                 self.finish_reason = "length"
             if self.finish_reason is not None:
                 break
-        if self.tokenizer is not None and not isinstance(self.stop_reason, str):
-            self.text = self._decode()  # a stop-string match already cut the text itself
+        if self._detok is not None and not isinstance(self.stop_reason, str):
+            self.text = self._detok.text  # a stop-string match already cut the text itself
         return kept
 
-    def _match_stop_string(self) -> bool:
-        text = self._decode()
+    def _match_stop_string(self, text: str) -> bool:
         # Only the tail can hold a new match: the last token added at most len(token text) chars.
         window = max(len(s) for s in self.params.stop) + 16
         start = max(0, len(self.text) - window)

@@ -126,10 +126,11 @@ class TargetSide:
         k = width - 1
         device = logits.device
         num_draft = torch.tensor([len(d) for d in drafts], device=device)
-        # Left-align each row's k_i + 1 logits (padding repeats the last one; the verifier ignores it).
-        cols = torch.arange(width, device=device)[None, :]
-        index = (width - 1 - num_draft)[:, None] + torch.minimum(cols, num_draft[:, None])
-        logits = logits.gather(1, index[..., None].expand(batch_size, width, vocab))
+        if any(len(d) != k for d in drafts):
+            # Left-align each row's k_i + 1 logits (padding repeats the last one; the verifier ignores it).
+            cols = torch.arange(width, device=device)[None, :]
+            index = (width - 1 - num_draft)[:, None] + torch.minimum(cols, num_draft[:, None])
+            logits = logits.gather(1, index[..., None].expand(batch_size, width, vocab))
         draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=device).reshape(batch_size, k)
         draft_probs = has_probs = None
         if any(p is not None for p in probs):

@@ -65,6 +65,11 @@ def verify(
     num_accepted = torch.zeros(batch_size, dtype=torch.long, device=device)
     next_token_ids = torch.zeros(batch_size, dtype=torch.long, device=device)
 
+    if all(sampling.greedy):  # the common case: one argmax over everything, no row selection
+        argmax = target_logits.argmax(dim=-1)  # [batch_size, k + 1]
+        match = (draft_token_ids == argmax[:, :k]) & valid
+        num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+        return num_accepted, argmax.gather(1, num_accepted[:, None]).squeeze(1)
     greedy = torch.tensor(sampling.greedy, device=device)
     if bool(greedy.any()):  # .any(): pick the code paths on the host
         rows = greedy.nonzero().squeeze(1)

@@ -95,3 +95,23 @@ def test_context_limit_finishes_with_length(tiny_pair):
               adaptive=False)
     out = llm.generate([list(range(5, 15))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_incremental_text_equals_a_full_decode():
+    """The streamed text (DecodeStream) is exactly what decoding the whole output gives,
+    also when multi-byte characters are split across tokens."""
+    from transformers import AutoTokenizer
+
+    from specserve.demo_models import TARGET_PATH
+    from specserve.stopping import StopChecker
+
+    tok = AutoTokenizer.from_pretrained(TARGET_PATH)
+    text = 'def grüße(x):\n    return "héllo ✓ 日本" + x  # ünïcödé\n' * 3
+    ids = tok.encode(text)
+    checker = StopChecker(SamplingParams(max_tokens=10_000), set(), tok, 1, 100_000)
+    assert checker._detok.stream is not None  # the incremental path, not the fallback
+    streamed = ""
+    for i in ids:
+        checker.append([i])
+        streamed += checker.text_delta()
+    assert checker.text == tok.decode(ids) == streamed
