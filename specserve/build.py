@@ -35,15 +35,16 @@ def create_backend(side: SideConfig, max_model_len: int | None = None):
     return getattr(importlib.import_module(module), cls).from_side(side, max_model_len)
 
 
-def _model_drafter(cfg: SpecserveConfig):
+def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     d = cfg.draft
     spec = cfg.speculation
     backend = create_backend(d)
-    fanout = spec.fanout if spec.draft_ahead else 0
+    ahead = own_process if spec.draft_ahead == "auto" else spec.draft_ahead
+    fanout = spec.fanout if ahead else 0
     return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
 
 
-def _ngram_drafter(cfg: SpecserveConfig):
+def _ngram_drafter(cfg: SpecserveConfig, own_process: bool):
     o = cfg.draft.drafter_options
     return NgramDrafter(o.get("ngram_min", 1), o.get("ngram_max", 4))
 
@@ -84,12 +85,15 @@ def draft_fingerprint(d: DraftConfig, drafter) -> dict | None:
     return vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), backend.vocab_size)
 
 
-def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dict | None = None) -> DraftService:
+def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dict | None = None,
+                        own_process: bool = True) -> DraftService:
+    """``own_process``: the draft runs in a process of its own (a Ray actor or Serve replica),
+    which is when drafting ahead ``auto`` is on."""
     d = cfg.draft
     if d is None:
         raise ValueError("this configuration has no draft")
     if d.drafter == "model" and d.backend != "sim":
         check_model_source(d.model, "draft")
-    drafter = DRAFTERS[d.drafter](cfg)
+    drafter = DRAFTERS[d.drafter](cfg, own_process)
     return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, {"drafter": d.drafter, "backend": d.backend,
                                                                            "model": d.model, **(info or {})})

@@ -244,8 +244,13 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         """Validate (``ValueError`` in the caller) and queue a request; deltas go to ``sink``."""
-        self.core.validate(prompt_token_ids, params)
-        self._inbox.append(("add", request_id, list(prompt_token_ids), params, sink))
+        self.submit_many([(request_id, prompt_token_ids, params, sink)])
+
+    def submit_many(self, requests: list[tuple[str, list[int], SamplingParams, Sink]]) -> None:
+        """Validate every request first, then queue them together: one step admits them all."""
+        for _, tokens, params, _ in requests:
+            self.core.validate(tokens, params)
+        self._inbox.append(("add_many", [(rid, list(tokens), params, sink) for rid, tokens, params, sink in requests]))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -254,7 +259,7 @@ class EngineLoop:
 
     @property
     def num_requests(self) -> int:
-        return len(self._sinks) + sum(1 for m in list(self._inbox) if m[0] == "add")
+        return len(self._sinks) + sum(len(m[1]) for m in list(self._inbox) if m[0] == "add_many")
 
     def _deliver(self, rid: str, item) -> None:
         sink = self._sinks.get(rid)
@@ -270,13 +275,13 @@ class EngineLoop:
     def _drain(self) -> None:
         while self._inbox:
             msg = self._inbox.popleft()
-            if msg[0] == "add":
-                _, rid, tokens, params, sink = msg
-                if rid in self._sinks:
-                    sink(ValueError(f"request_id {rid!r} is already running"))
-                    continue
-                self._sinks[rid] = sink
-                self.core.add_request(rid, tokens, params)
+            if msg[0] == "add_many":
+                for rid, tokens, params, sink in msg[1]:
+                    if rid in self._sinks:
+                        sink(ValueError(f"request_id {rid!r} is already running"))
+                        continue
+                    self._sinks[rid] = sink
+                    self.core.add_request(rid, tokens, params)
             else:
                 rid = msg[1]
                 if self.core.abort(rid):

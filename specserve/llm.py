@@ -135,7 +135,7 @@ class LocalEngine:
         controller = SpeculationController(spec.num_speculative_tokens if config.speculative else 0, spec.adaptive)
         core = EngineCore(target, None, controller, config.engine.max_num_seqs)
         if config.speculative:
-            service = build_draft_service(config, "draft-local")
+            service = build_draft_service(config, "draft-local", own_process=False)
             core.pool = DraftPool(
                 discover=lambda: {"local": service}, connect=lambda name, svc: LocalEndpoint(svc, name),
                 hello=Hello("local", target.vocab_fingerprint()), reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s,
@@ -179,8 +179,7 @@ class LocalEngine:
             return sink
 
         try:
-            for rid, ids, p in zip(order, token_ids, params):
-                self.loop.submit(rid, ids, p, sink_for(rid))
+            self.loop.submit_many([(rid, ids, p, sink_for(rid)) for rid, ids, p in zip(order, token_ids, params)])
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 for _ in order:
                     rid, err = done.get()

@@ -15,7 +15,7 @@ from ..conftest import make_model
         ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": 0}, r"max_tokens must be in \[1, 2147483647\], got 0"),
         ({"top_k": -3}, "top_k"),
         ({"temperature": "hot"}, "temperature must be a number"),
         ({"stop": [""]}, "stop"),
