@@ -1,9 +1,11 @@
 """Build each side from the configuration; backends and drafters come from registries.
 
 A backend is one class with ``from_side(side, max_model_len)`` and one line in ``BACKENDS``;
-a drafter is one line in ``DRAFTERS``. Each builder loads only its own side's files (the
-draft never reads the target's, and vice versa); the sides compare vocabulary fingerprints
-when they connect. Used in-process and inside the Ray actors alike.
+a drafter is one line in ``DRAFTERS``. A backend that is a whole engine rather than a
+batched forward (vLLM) instead offers ``build_engine_loop`` (a target: the loop the workers
+drive) and/or ``build_drafter`` (a draft model side). Each builder loads only its own side's
+files (the draft never reads the target's, and vice versa); the sides compare vocabulary
+fingerprints when they connect. Used in-process and inside the Ray actors alike.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
 from .draft import ModelDrafter, NgramDrafter
@@ -27,17 +31,25 @@ BACKENDS = {
 }
 
 
-def create_backend(side: SideConfig, max_model_len: int | None = None):
-    """Instantiate ``side.backend``; imports it lazily so optional dependencies stay optional."""
+def backend_class(side: SideConfig) -> type:
+    """The class registered for ``side.backend``; imported lazily so optional dependencies stay optional."""
     if side.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {side.backend!r}")
     module, cls = BACKENDS[side.backend].split(":")
-    return getattr(importlib.import_module(module), cls).from_side(side, max_model_len)
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_backend(side: SideConfig, max_model_len: int | None = None):
+    """Instantiate ``side.backend``."""
+    return backend_class(side).from_side(side, max_model_len)
 
 
 def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     d = cfg.draft
     spec = cfg.speculation
+    own = getattr(backend_class(d), "build_drafter", None)
+    if own is not None:  # a backend that drafts with its own engine
+        return own(cfg)
     backend = create_backend(d)
     ahead = own_process if spec.draft_ahead == "auto" else spec.draft_ahead
     fanout = spec.fanout if ahead else 0
@@ -72,6 +84,40 @@ def build_target(cfg: SpecserveConfig) -> TargetSide:
     config = load_config(t.model, t.trust_remote_code) if t.backend != "sim" else None
     eos = eos_token_ids(t.model, config, tokenizer) if config is not None else backend.eos_token_ids
     return TargetSide(backend, tokenizer, eos)
+
+
+@dataclass
+class DraftLink:
+    """How a target reaches its drafts: ``discover() -> {name: address}``, ``connect(name, address) -> endpoint``."""
+
+    discover: Callable[[], dict[str, object]]
+    connect: Callable[[str, object], object]
+    target_id: str
+    background: bool = True  # discover and reconnect on a background thread (else once, now)
+
+
+def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = "specserve-engine"):
+    """The target's engine loop (``submit`` / ``abort`` / ``core.metrics``): specserve's own
+    (``TargetSide`` + ``EngineCore`` + ``DraftPool``), or the one a backend brings (vLLM)."""
+    from .adaptive import SpeculationController
+    from .engine import EngineCore, EngineLoop
+    from .messages import Hello
+    from .pool import DraftPool
+
+    own = getattr(backend_class(cfg.target), "build_engine_loop", None)
+    if own is not None:
+        return own(cfg, link, name)
+    target = build_target(cfg)
+    spec = cfg.speculation
+    controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
+    core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
+    if link is not None:
+        core.pool = DraftPool(
+            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, target.vocab_fingerprint()),
+            reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
+            background=link.background,
+        )
+    return EngineLoop(core, name=name)
 
 
 def draft_fingerprint(d: DraftConfig, drafter) -> dict | None:

@@ -120,32 +120,22 @@ class LocalEngine:
     """Both sides in this process: the reference deployment and the CPU default."""
 
     def __init__(self, config: SpecserveConfig):
-        from .adaptive import SpeculationController
-        from .build import build_draft_service, build_target, set_cpu_threads
-        from .engine import EngineCore, EngineLoop
-        from .messages import Hello
-        from .pool import DraftPool
+        from .build import DraftLink, build_draft_service, build_engine_loop, set_cpu_threads
         from .transport import LocalEndpoint
 
         set_cpu_threads(config, in_process=True)
         self.config = config
-        target = build_target(config)
-        self.tokenizer = target.tokenizer
-        spec = config.speculation
-        controller = SpeculationController(spec.num_speculative_tokens if config.speculative else 0, spec.adaptive)
-        core = EngineCore(target, None, controller, config.engine.max_num_seqs)
+        link = None
         if config.speculative:
             service = build_draft_service(config, "draft-local", own_process=False)
-            core.pool = DraftPool(
-                discover=lambda: {"local": service}, connect=lambda name, svc: LocalEndpoint(svc, name),
-                hello=Hello("local", target.vocab_fingerprint()), reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s,
-                max_timeout_s=spec.draft_timeout_s, background=False,
-            )
-            if core.pool.refused:
-                core.pool.shutdown()
-                raise ValueError(f"the draft cannot serve this target: {next(iter(core.pool.refused.values()))}")
+            link = DraftLink(lambda: {"local": service}, lambda name, svc: LocalEndpoint(svc, name), "local", background=False)
+        self.loop = build_engine_loop(config, link)  # specserve's engine, or the backend's (vllm)
+        pool = self.loop.core.pool
+        if pool is not None and pool.refused:
+            self.loop.shutdown()
+            raise ValueError(f"the draft cannot serve this target: {next(iter(pool.refused.values()))}")
+        self.tokenizer = self.loop.core.target.tokenizer
         self.draft_service = service if config.speculative else None
-        self.loop = EngineLoop(core)
 
     @property
     def target(self):

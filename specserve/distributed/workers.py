@@ -165,11 +165,7 @@ class DraftWorker:
 
 class TargetWorker:
     def __init__(self, config: dict, drafts: list | None = None, registry=None, draft_deployment=None, name: str | None = None):
-        from ..adaptive import SpeculationController
-        from ..build import build_target, set_cpu_threads
-        from ..engine import EngineCore, EngineLoop
-        from ..messages import Hello
-        from ..pool import DraftPool
+        from ..build import DraftLink, build_engine_loop, set_cpu_threads
         from ..transport import SocketEndpoint
 
         configure_worker_logging()
@@ -179,13 +175,9 @@ class TargetWorker:
         self.name = name or f"target-{info['actor_id'][:12] or os.getpid()}"
         started = time.perf_counter()
         logger.info("loading target %s on node %s", cfg.target.model, info["node_id"][:8])
-        target = build_target(cfg)
-        self.tokenizer = target.tokenizer
-        spec = cfg.speculation
-        controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
-        core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
         self.draft_actors = list(drafts or [])
         self.registry = registry  # Serve: drafts are found here (draft_deployment only ties the app graph together)
+        link = None
         if cfg.speculative:
             delay = cfg.channel.delay_ms
             links = None
@@ -193,12 +185,10 @@ class TargetWorker:
                 from .collective import link_factory
 
                 links = link_factory(cfg.channel.collective_backend, rank=0, device=cfg.target.device)
-            core.pool = DraftPool(
-                discover=self._discover, connect=lambda name, address: SocketEndpoint(address, delay, link_factory=links),
-                hello=Hello(self.name, target.vocab_fingerprint()), reopen=core.reopen,
-                min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
-            )
-        self.loop = EngineLoop(core, name=f"specserve-engine-{self.name}")
+            link = DraftLink(self._discover, lambda name, address: SocketEndpoint(address, delay, link_factory=links), self.name)
+        self.loop = build_engine_loop(cfg, link, name=f"specserve-engine-{self.name}")  # specserve's engine, or the backend's (vllm)
+        target = self.loop.core.target
+        self.tokenizer = target.tokenizer
         self.info = {**info, "name": self.name, "max_model_len": target.max_model_len, "model": cfg.target.model,
                      "vocab": target.vocab_fingerprint(), "load_s": time.perf_counter() - started,
                      "has_tokenizer": target.tokenizer is not None,

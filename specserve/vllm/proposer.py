@@ -1,0 +1,261 @@
+"""vLLM's ``custom_class`` proposer, answered by specserve's remote draft side.
+
+vLLM constructs ``RemoteDraftProposer(vllm_config)`` in each model-runner process and, after
+every step, calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)``; vLLM's
+rejection sampler verifies the drafts next step as point masses (lossless at any
+temperature, so the draft always drafts greedily and sends no probabilities). Per step, on
+the output rank only (vLLM uses that rank's drafts; the other tensor-parallel ranks return
+empty lists), each batch row becomes draft-protocol deltas in a ``DraftPool``: a new request
+an ``OpenSeq``, the tokens committed since the last step a ``VerifyResult`` (base_len; the
+block prefix they match, i.e. accepted drafts; the tokens appended), a finished request a
+``CloseSeq``; then one ``ProposeRequest`` per draft asks k tokens per sequence. vLLM passes
+no request ids and has no finish hook: both come from the model runner that constructs this
+object (``input_batch.req_ids``, its request-removed hook). A draft that fails or answers
+late means empty proposals (target-only steps), never a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..messages import Hello, OpenSeq, VerifyResult
+from ..pool import DraftPool
+from . import link as links
+
+logger = logging.getLogger("specserve.vllm")
+RECONCILE_EVERY = 64  # steps between checks that every sequence held here is still live in vLLM
+
+
+@dataclass
+class _Seq:
+    token_ids: list[int]  # committed tokens, as the draft last heard them
+    block: list[int] = field(default_factory=list)  # the drafts handed to vLLM last step
+    block_base: int = -1  # committed length the block continues (-1: none)
+    fallback: bool = False  # no draft could answer for it last step
+
+
+def find_runner(start):
+    """The vLLM model runner whose constructor is building the proposer (None if not found)."""
+    frame = start
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None and (type(obj).__name__.endswith("ModelRunner") or hasattr(obj, "_on_request_state_removed")):
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _is_output_rank() -> bool:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # not initialised (tests, single process): the only rank
+        return True
+
+
+class RemoteDraftProposer:
+    def __init__(self, vllm_config):
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.runner = find_runner(sys._getframe(1))
+        self.seqs: dict[str, _Seq] = {}
+        self.step_stats: dict[str, tuple[int, int, bool]] = {}  # request -> (drafts verified, accepted, fallback), last step
+        self.timing = {"propose_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0}
+        self.counters = {"num_proposals": 0, "num_blocks": 0, "num_resyncs": 0}
+        self._lock = threading.RLock()
+        self._step = 0
+        self._last_propose = time.monotonic()
+        self._stop = threading.Event()
+        self.pool: DraftPool | None = None
+        opts = (vllm_config.additional_config or {}).get("specserve", {}) if isinstance(vllm_config.additional_config, dict) else {}
+        if not _is_output_rank():
+            return  # vLLM takes the output rank's drafts; this rank proposes nothing
+        if self.runner is None:
+            logger.error("RemoteDraftProposer: no vLLM model runner found (unsupported vLLM version?): decoding target-only")
+            return
+        slot = links.find(opts.get("link"))
+        link = slot.link if slot is not None else links.from_env(float(opts.get("delay_ms", 0.0)))
+        if link is None:
+            raise ValueError(f"RemoteDraftProposer: no draft named: set {links.ADDRESS_ENV}=host:port[,host:port] "
+                             f"(draft servers, e.g. `specserve draft`) or {links.APP_ENV}=<specserve Serve app>")
+        if slot is not None:
+            slot.proposer = self
+        self._hook_finished()
+        self.pool = DraftPool(
+            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config)),
+            reopen=self._reopen, min_timeout_s=float(opts.get("min_timeout_s", 0.5)),
+            max_timeout_s=float(opts.get("max_timeout_s", 10.0)), background=link.background,
+        )
+        threading.Thread(target=self._idle_flush, name="specserve-proposer-flush", daemon=True).start()
+        logger.info("RemoteDraftProposer: k=%d, target %s", self.k, link.target_id)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """vLLM's CPU runner calls this with the target model; a remote draft needs nothing from it."""
+
+    # -- sequences ------------------------------------------------------------------------------
+    def _hook_finished(self) -> None:
+        """Wrap the runner's per-request removal hook: a finished or aborted request closes its draft state."""
+        original = getattr(self.runner, "_on_request_state_removed", None)
+        if original is None:
+            return
+
+        def removed(req_id, req_state, _original=original):
+            self.close(req_id)
+            return _original(req_id, req_state)
+
+        self.runner._on_request_state_removed = removed
+
+    def close(self, rid: str) -> None:
+        with self._lock:
+            if self.seqs.pop(rid, None) is not None and self.pool is not None:
+                self.pool.close(rid)
+
+    def retain(self, live: set[str]) -> None:
+        """Close every sequence not in ``live`` (vLLM request ids the engine still runs)."""
+        with self._lock:
+            for rid in [r for r in self.seqs if r not in live]:
+                self.close(rid)
+
+    def _reopen(self, rid: str) -> OpenSeq | None:
+        seq = self.seqs.get(rid)
+        return None if seq is None else OpenSeq(rid, list(seq.token_ids))  # greedy drafts: point masses
+
+    def _open(self, rid: str, token_ids: list[int]) -> _Seq:
+        seq = self.seqs[rid] = _Seq(token_ids)
+        self.pool.open(rid)
+        return seq
+
+    def _advance(self, rid: str, seq: _Seq, row, length: int) -> None:
+        """Tell the draft what this sequence committed since its last block (one ``VerifyResult``)."""
+        base = len(seq.token_ids)
+        if length < base or int(row[base - 1]) != seq.token_ids[-1]:  # not the sequence we knew: resync
+            self.counters["num_resyncs"] += 1
+            self.close(rid)
+            self._open(rid, row[:length].tolist())
+            return
+        # .tolist(): the appended tokens travel in a message.
+        appended = row[base:length].tolist()
+        accepted = 0
+        if seq.block_base == base:
+            for a, d in zip(appended, seq.block):
+                if a != d:
+                    break
+                accepted += 1
+        seq.block, seq.block_base, seq.fallback = [], -1, False
+        if appended:
+            seq.token_ids.extend(appended)
+            self.pool.result(VerifyResult(rid, base, accepted, appended))
+
+    def _room(self, rid: str, length: int) -> int:
+        """Draft tokens this sequence can use: within max_tokens and the context, leaving the bonus token."""
+        room = min(self.k, self.max_model_len - length - 1)
+        state = getattr(self.runner, "requests", {}).get(rid)
+        params = getattr(state, "sampling_params", None)
+        if params is not None and params.max_tokens is not None:
+            room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
+        return max(0, room)
+
+    def _reconcile(self) -> None:
+        live = getattr(self.runner, "requests", None)
+        if live is not None:
+            for rid in [r for r in self.seqs if r not in live]:
+                self.close(rid)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        if self.pool is None:
+            return [[] for _ in range(n)]
+        scheduler_output = sys._getframe(1).f_locals.get("scheduler_output")
+        scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+        start = time.perf_counter()
+        try:
+            with self._lock:
+                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled)
+        except Exception:  # a bug here must not fail vLLM's step: this step goes target-only
+            logger.exception("RemoteDraftProposer failed; no drafts this step")
+            return [[] for _ in range(n)]
+        finally:
+            self._last_propose = time.monotonic()
+            self.timing["propose_s"] += time.perf_counter() - start
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled) -> list[list[int]]:
+        n = len(sampled_token_ids)
+        self._step += 1
+        self.step_stats = {}
+        req_ids = self.runner.input_batch.req_ids
+        wants, rows = {}, {}
+        for i in range(n):
+            sampled = sampled_token_ids[i]
+            if not sampled:  # a prefill chunk that is not finished: nothing committed yet
+                continue
+            rid, length = req_ids[i], int(num_tokens_no_spec[i])
+            seq = self.seqs.get(rid)
+            verified = 0
+            if seq is None:
+                # .tolist(): the whole prompt travels in the OpenSeq.
+                seq = self._open(rid, token_ids_cpu[i, :length].tolist())
+            else:
+                verified = len(scheduled.get(rid, ())) if scheduled is not None else len(seq.block)
+                self.step_stats[rid] = (verified, max(0, len(sampled) - 1) if verified else 0, seq.fallback)
+                self._advance(rid, seq, token_ids_cpu[i], length)
+            room = self._room(rid, length)
+            if room:
+                wants[rid], rows[rid] = room, i
+        if self._step % RECONCILE_EVERY == 0:
+            self._reconcile()
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        if not wants:
+            return drafts
+        outcome = self.pool.propose(self._step, wants)
+        for rid, i in rows.items():
+            seq = self.seqs[rid]
+            block = outcome.blocks.get(rid)
+            seq.fallback = rid in outcome.fallback
+            if block is not None and block.base_len == len(seq.token_ids) and block.draft_token_ids:
+                seq.block, seq.block_base = list(block.draft_token_ids[: wants[rid]]), len(seq.token_ids)
+                drafts[i] = seq.block
+                self.counters["num_blocks"] += 1
+        self.counters["num_proposals"] += 1
+        t = self.timing
+        t["draft_wait_s"] += outcome.wait_s
+        t["draft_compute_s"] += outcome.compute_s
+        t["draft_forward_s"] += outcome.forward_s
+        return drafts
+
+    # -- idle, status, shutdown -----------------------------------------------------------------
+    def _idle_flush(self) -> None:
+        """While vLLM is idle, deliver queued closes and heartbeat the drafts (as specserve's engine does)."""
+        while not self._stop.wait(0.5):
+            if time.monotonic() - self._last_propose < 1.0:
+                continue
+            with self._lock:
+                try:
+                    self.pool.poll()
+                    self.pool.flush(self._step)
+                except Exception:  # best effort: the next step retries
+                    logger.exception("RemoteDraftProposer: idle flush failed")
+
+    def status(self) -> dict:
+        with self._lock:
+            return {**(self.pool.status() if self.pool is not None else {}), **self.counters, "timing": dict(self.timing),
+                    "num_seqs": len(self.seqs)}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _fingerprint(vllm_config) -> dict:
+    """The target's vocabulary fingerprint, as specserve's own target computes it."""
+    from ..models import load_tokenizer, vocab_fingerprint
+
+    mc = vllm_config.model_config
+    tokenizer = None if getattr(mc, "skip_tokenizer_init", False) else load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+    return vocab_fingerprint(tokenizer, mc.get_vocab_size())

@@ -1,0 +1,225 @@
+"""A vLLM target behind specserve's engine surface: ``EngineLoop`` drives it unchanged.
+
+``VLLMEngineCore`` owns an in-process ``vllm.LLMEngine`` whose speculative method is
+``custom_class`` with ``RemoteDraftProposer``: continuous batching, the paged KV cache and
+rejection sampling are vLLM's; drafts come from specserve's draft side through the
+``DraftLink`` the proposer picks up in this process (``link.park``). Per step: add the
+waiting requests (specserve ``SamplingParams`` -> vLLM's, delta outputs), ``step()``, turn
+each ``RequestOutput`` into a ``StepDelta`` carrying that step's draft and accepted counts
+from the proposer. Tensor/data parallelism, dtype and everything else of the target are
+vLLM's own arguments (``target_tensor_parallel_size``, ``target_backend_options``). Knows
+nothing of Ray or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from ..engine import EngineLoop, StepResult
+from ..models import load_tokenizer, vocab_fingerprint
+from ..outputs import SpecMetrics, StepDelta
+from ..stopping import StopChecker
+from . import link as links
+from .options import engine_kwargs, prepare_env, require_vllm, sync_omp_threads
+
+logger = logging.getLogger("specserve.vllm")
+PROPOSER = "specserve.vllm.RemoteDraftProposer"
+VLLM_METRICS_EVERY_S = 0.5  # how often the engine thread copies vLLM's own counters
+
+
+class VLLMTarget:
+    """What the workers read of a target: tokenizer, context, vocabulary and live requests."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.seqs: dict[str, str] = {}  # request id -> vLLM's internal request id
+
+    def vocab_fingerprint(self) -> dict:
+        return vocab_fingerprint(self.tokenizer, self.vocab_size)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+
+class VLLMEngineCore:
+    def __init__(self, cfg, link=None):
+        require_vllm()
+        from vllm import LLM
+
+        t = cfg.target
+        prepare_env(t)
+        tokenizer = load_tokenizer(t.model, t.trust_remote_code)
+        extra = {"max_num_seqs": cfg.engine.max_num_seqs, "disable_log_stats": False}
+        self.k = cfg.speculation.num_speculative_tokens if (cfg.speculative and link is not None) else 0
+        self._key = None
+        if self.k:
+            spec = cfg.speculation
+            self._key = links.park(link)
+            extra["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.k}
+            extra["additional_config"] = {"specserve": {"link": self._key, "min_timeout_s": spec.draft_min_timeout_s,
+                                                        "max_timeout_s": spec.draft_timeout_s, "delay_ms": cfg.channel.delay_ms}}
+        self.llm = LLM(**engine_kwargs(t, cfg.engine.max_model_len, tokenizer is not None, **extra))
+        self.engine = self.llm.llm_engine
+        slot = links.find(self._key)
+        self.proposer = slot.proposer if slot is not None else None  # None: vLLM built it in another process
+        mc = self.engine.vllm_config.model_config
+        self.target = VLLMTarget(tokenizer, mc.max_model_len, mc.get_vocab_size())
+        self.waiting: deque = deque()
+        self.totals = SpecMetrics()
+        self.counters = {"num_steps": 0, "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0}
+        self.timing = {"wall_s": 0.0, "target_forward_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0}
+        self.vllm_counters: dict = {}
+        self._vllm_counters_at = 0.0
+
+    @property
+    def pool(self):
+        return self.proposer.pool if self.proposer is not None else None
+
+    # -- requests (EngineLoop's surface) --------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params) -> None:
+        t = self.target
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        if len(prompt_token_ids) >= t.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, but the target's context (max_model_len) is "
+                             f"{t.max_model_len}: it must be shorter to leave room for one generated token")
+        bad = [x for x in prompt_token_ids if isinstance(x, bool) or not (isinstance(x, int) and 0 <= x < t.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {t.vocab_size}), got {bad[:5]}")
+        StopChecker(params, set(), t.tokenizer, len(prompt_token_ids), t.max_model_len)  # stop strings need a tokenizer
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> None:
+        if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.waiting.append((request_id, list(prompt_token_ids), params))
+
+    def abort(self, request_id: str) -> bool:
+        for i, w in enumerate(self.waiting):
+            if w[0] == request_id:
+                del self.waiting[i]
+                return True
+        if self.target.seqs.pop(request_id, None) is None:
+            return False
+        self.engine.abort_request([request_id])  # vLLM frees it; the proposer's hook closes it on the draft
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.target.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return self.target.num_seqs
+
+    def idle(self) -> None:
+        """Nothing to step: refresh vLLM's counters, and close on the draft whatever finished last
+        (vLLM tells the runner about finished requests only with its next step)."""
+        self._read_vllm_counters()
+        if self.proposer is not None:
+            self.proposer.retain(set(self.target.seqs.values()))
+
+    def _params(self, p):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+                              stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
+                              seed=p.seed, skip_special_tokens=p.skip_special_tokens, detokenize=self.target.tokenizer is not None,
+                              output_kind=RequestOutputKind.DELTA)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter()
+        sync_omp_threads()
+        result = StepResult()
+        while self.waiting:
+            rid, prompt, params = self.waiting.popleft()
+            try:
+                self.target.seqs[rid] = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), self._params(params))
+            except Exception as exc:  # this request's fault (vLLM rejected it): it fails alone
+                logger.exception("request %s rejected by vLLM", rid)
+                result.failed[rid] = exc
+        p = self.proposer
+        before = (p._step, dict(p.timing)) if p is not None else None
+        outputs = self.engine.step()
+        stats = p.step_stats if p is not None and p._step != before[0] else {}
+        for out in outputs:
+            internal = self.target.seqs.get(out.request_id)
+            if internal is None or not out.outputs:
+                continue
+            comp = out.outputs[0]
+            if not comp.token_ids and not out.finished:
+                continue
+            drafted, accepted, fallback = stats.get(internal, (0, 0, False))
+            done = out.finished
+            delta = StepDelta(out.request_id, list(comp.token_ids), comp.text or "", done, comp.finish_reason if done else None,
+                              comp.stop_reason if done else None, drafted, accepted, fallback)
+            if done:
+                del self.target.seqs[out.request_id]
+            self.totals.record(drafted, accepted, fallback)
+            self.counters["num_generated_tokens"] += len(delta.token_ids)
+            result.deltas.append(delta)
+        elapsed = time.perf_counter() - start
+        t = self.timing
+        draft_s = 0.0
+        if p is not None:
+            for key in ("draft_wait_s", "draft_compute_s", "draft_forward_s"):
+                t[key] += p.timing[key] - before[1][key]
+            draft_s = p.timing["propose_s"] - before[1]["propose_s"]
+        t["wall_s"] += elapsed
+        t["target_forward_s"] += elapsed - draft_s  # vLLM's step less the proposer's time (includes scheduling)
+        self.counters["num_steps"] += 1
+        self.counters["num_requests_failed"] += len(result.failed)
+        if time.monotonic() - self._vllm_counters_at > VLLM_METRICS_EVERY_S:
+            self._read_vllm_counters()
+        return result
+
+    def _read_vllm_counters(self) -> None:
+        """vLLM's own spec-decode counters (the authority when the proposer runs in other processes)."""
+        self._vllm_counters_at = time.monotonic()
+        out = {}
+        for m in self.llm.get_metrics():
+            if "spec_decode" in m.name or m.name.endswith(("generation_tokens", "prompt_tokens")):
+                out[m.name] = getattr(m, "values", None) if hasattr(m, "values") else getattr(m, "value", None)
+        self.vllm_counters = out
+
+    def metrics(self) -> dict:
+        steps = max(1, self.counters["num_steps"])
+        t = dict(self.timing)
+        per_step = {"step_ms": t["wall_s"] / steps * 1e3, "target_forward_ms": t["target_forward_s"] / steps * 1e3,
+                    "draft_wait_ms": t["draft_wait_s"] / steps * 1e3, "draft_forward_ms": t["draft_forward_s"] / steps * 1e3,
+                    "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / steps * 1e3}
+        out = {**self.totals.to_dict(), **self.counters, "timing": t, "per_step": per_step, "num_running": self.num_running,
+               "num_waiting": len(self.waiting), "backend": "vllm", "vllm": dict(self.vllm_counters),
+               "speculation": {"k": self.k, "max_k": self.k, "adaptive": False}}
+        if self.proposer is not None:
+            out["drafts"] = self.proposer.status()
+        return out
+
+    def shutdown(self) -> None:
+        if self.proposer is not None:
+            self.proposer.shutdown()
+        if self._key is not None:
+            links.release(self._key)
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:  # already down
+            logger.debug("vLLM engine shutdown", exc_info=True)
+
+
+class VLLMEngineLoop(EngineLoop):
+    """specserve's engine loop over a ``VLLMEngineCore``; shutting down also stops vLLM."""
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.core.shutdown()
+
+
+def build_engine_loop(cfg, link, name: str = "specserve-engine") -> VLLMEngineLoop:
+    return VLLMEngineLoop(VLLMEngineCore(cfg, link), name=name)
