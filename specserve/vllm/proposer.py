@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ..messages import Hello, OpenSeq, VerifyResult
 from ..pool import DraftPool
 from . import link as links
+from . import patches
 
 logger = logging.getLogger("specserve.vllm")
 RECONCILE_EVERY = 64  # steps between checks that every sequence held here is still live in vLLM
@@ -60,6 +61,7 @@ def _is_output_rank() -> bool:
 
 class RemoteDraftProposer:
     def __init__(self, vllm_config):
+        patches.apply_all()  # this is the process that samples
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.runner = find_runner(sys._getframe(1))
