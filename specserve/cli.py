@@ -1,4 +1,4 @@
-"""``specserve`` command line: ``demo``, ``serve`` (OpenAI HTTP), ``generate`` (batch JSONL), ``config``.
+"""``specserve`` command line: ``demo``, ``serve`` (OpenAI HTTP), ``generate`` (batch JSONL), ``draft``, ``config``.
 
 Every configuration flag is generated from the schema (``specserve.config``): one flag per
 field, named as in Python (``--draft-num-gpus`` / ``draft_num_gpus=``), with the schema's
@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_config_flags(gen, include_server=False)
 
+    from .draft_cli import add_draft_parser
+
+    add_draft_parser(sub)
+
     cfg = sub.add_parser("config", help="print the configuration (defaults, --config file and flags) as YAML")
     add_config_flags(cfg)
     return parser
@@ -255,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_server(load_config(args))
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "draft":
+            from .draft_cli import run_draft
+
+            return run_draft(args)
         return cmd_generate(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)

@@ -41,6 +41,7 @@ class VLLMDraftEngine:
         self.max_model_len = mc.max_model_len
         self.vocab_size = mc.get_vocab_size()
         self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        self.generate_greedy([[0] * 8] * 2, [2, 2])  # warm up: the first steps are slow, and targets time drafts out
 
     def vocab_fingerprint(self) -> dict:
         return vocab_fingerprint(self.tokenizer, self.vocab_size)

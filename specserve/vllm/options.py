@@ -5,7 +5,8 @@ tensor parallelism and context, then whatever ``backend_options`` holds (any ``v
 ``EngineArgs`` keyword, passed through and winning). ``prepare_env(side)`` sets what vLLM
 reads from the environment before its first engine starts in this process: the engine core
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a proposer then shares this
-process's objects) and, on CPU with tensor parallelism, one OpenMP core group per rank.
+process's objects) and, on CPU with tensor parallelism, one OpenMP core group per rank
+(and worker processes, not Ray, for the ranks).
 Knows nothing of drafting.
 """
 
@@ -73,6 +74,8 @@ def engine_kwargs(side, max_model_len: int | None = None, has_tokenizer: bool = 
         kwargs["max_model_len"] = max_model_len
     if not has_tokenizer:
         kwargs["skip_tokenizer_init"] = True  # token-id prompts only (models saved without tokenizer files)
+    if side.tensor_parallel_size > 1 and is_cpu_platform():
+        kwargs["distributed_executor_backend"] = "mp"  # inside a Ray actor vLLM would pick "ray", which its CPU build lacks
     kwargs.update(extra)
     kwargs.update(side.backend_options)
     return kwargs

@@ -31,7 +31,7 @@ def ray_llm(draft_backend: str, **kw) -> LLM:
     draft_options = {"draft_backend_options": VLLM_OPTIONS} if draft_backend == "vllm" else {}
     return LLM(TARGET, draft=DRAFT, ray=True, target_backend="vllm", target_backend_options=VLLM_OPTIONS,
                draft_backend=draft_backend, num_speculative_tokens=4, target_num_cpus=0.5, draft_num_cpus=0.5,
-               **draft_options, **kw)
+               draft_min_timeout_s=5.0, **draft_options, **kw)  # shared CPU cores: never time a slow draft out here
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,61 @@
+"""``specserve draft``: one draft side on this machine, served over TCP to any target.
+
+Data flow: the configuration's ``draft`` section (model, backend: transformers or vLLM,
+dtype, device, tensor parallelism) -> ``build_draft_service`` -> ``DraftServer`` on
+``--draft-port``. Targets connect to the printed address: specserve's own
+(``SPECSERVE_DRAFT_ADDRESS`` is read by ``specserve.vllm.RemoteDraftProposer``, so
+``vllm serve`` with that proposer works too). Runs until Ctrl-C; no Ray involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+PROPOSER_CONFIG = {"method": "custom_class", "model": "specserve.vllm.RemoteDraftProposer"}
+
+
+def add_draft_parser(sub) -> None:
+    from .cli import add_config_flags
+
+    p = sub.add_parser("draft", help="serve a draft model (or ngram) over TCP for targets on other machines, e.g. "
+                       "`vllm serve` with specserve.vllm.RemoteDraftProposer (try: specserve draft --draft demo:draft)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0)")
+    p.add_argument("--advertise-host", default=None, help="host name or IP targets should use (default: this host's address)")
+    add_config_flags(p, include_server=False)
+
+
+def run_draft(args: argparse.Namespace) -> int:
+    from .build import build_draft_service
+    from .cli import load_config
+    from .transport import DraftServer
+
+    if "draft" not in vars(args) and not getattr(args, "config", None):
+        raise ValueError("specserve draft needs --draft MODEL (a model directory, hub id, demo:draft, or ngram)")
+    extra = {} if "target" in vars(args) else {"target": "(unused: a draft side never reads the target)"}
+    cfg = load_config(args, **extra)
+    if cfg.draft is None:
+        raise ValueError("specserve draft needs --draft MODEL (a model directory, hub id, demo:draft, or ngram)")
+    name = f"draft-{socket.gethostname()}-{os.getpid()}"
+    service = build_draft_service(cfg, name, {"host": socket.gethostname()}, own_process=True)
+    server = DraftServer(service, host=args.host, port=cfg.channel.draft_port, advertise_host=args.advertise_host)
+    k = cfg.speculation.num_speculative_tokens
+    print(f"draft {cfg.draft.model or cfg.draft.drafter} ({cfg.draft.backend}) serving at {server.address}", flush=True)
+    print("on the target machine:\n"
+          f"  SPECSERVE_DRAFT_ADDRESS={server.address} vllm serve TARGET "
+          f"--speculative-config '{json.dumps({**PROPOSER_CONFIG, 'num_speculative_tokens': k})}'", flush=True)
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while server._thread.is_alive():
+            time.sleep(1.0)
+        print("specserve: error: the draft server stopped", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.close()
