@@ -177,7 +177,8 @@ class RemoteDraftProposer:
         scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
         start = time.perf_counter()
         try:
-            with self._lock:
+            # vLLM samples under torch.inference_mode; an in-process draft's KV cache must stay a normal tensor.
+            with self._lock, _torch().inference_mode(False):
                 return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled)
         except Exception:  # a bug here must not fail vLLM's step: this step goes target-only
             logger.exception("RemoteDraftProposer failed; no drafts this step")
@@ -252,6 +253,12 @@ class RemoteDraftProposer:
         self._stop.set()
         if self.pool is not None:
             self.pool.shutdown()
+
+
+def _torch():
+    import torch
+
+    return torch
 
 
 def _fingerprint(vllm_config) -> dict:

@@ -64,14 +64,15 @@ class VLLMRunner:
 
         self.llm = LLM(**llm_kwargs)
 
-    def generate(self, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], params: dict, text: bool = False) -> list:
+        """Token ids per prompt, or (token ids, text) pairs."""
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         torch.get_num_threads()  # this actor thread's OpenMP count = torch's (see options.sync_omp_threads)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**params), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [(list(o.outputs[0].token_ids), o.outputs[0].text) if text else list(o.outputs[0].token_ids) for o in outs]
 
     def proposer(self) -> dict | None:
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -95,12 +96,12 @@ def start_runner(role: str = "target", env: dict | None = None, **llm_kwargs):
     return actor
 
 
-def vllm_greedy(model: str, prompts: list[list[int]], max_tokens: int, **llm_kwargs) -> list[list[int]]:
+def vllm_greedy(model: str, prompts: list[list[int]], max_tokens: int, text: bool = False, **llm_kwargs) -> list:
     """vLLM's own target-only greedy output (in an actor that is gone afterwards)."""
     import ray
 
     runner = start_runner(model=model, **llm_kwargs)
     try:
-        return ray.get(runner.generate.remote(prompts, {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}))
+        return ray.get(runner.generate.remote(prompts, {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}, text))
     finally:
         ray.kill(runner)
