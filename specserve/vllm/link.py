@@ -52,18 +52,46 @@ def default_target_id() -> str:
     return f"vllm-{socket.gethostname()}-{os.getpid()}"
 
 
-def from_env(delay_ms: float = 0.0) -> DraftLink | None:
-    """The drafts the environment names, or None when it names none."""
+def from_names(addresses: list[str], app: str | None, delay_ms: float = 0.0, target_id: str | None = None) -> DraftLink | None:
+    """A link to fixed draft addresses, or to the drafts a Serve app's registry lists; None if neither is given."""
     connect = lambda name, address: SocketEndpoint(address, delay_ms)  # noqa: E731
-    addresses = [a.strip() for a in os.environ.get(ADDRESS_ENV, "").split(",") if a.strip()]
+    target_id = target_id or default_target_id()
     if addresses:
         for a in addresses:
             parse_address(a)  # a typo fails at start-up, not as a draft that never answers
-        return DraftLink(lambda: {a: a for a in addresses}, connect, default_target_id())
-    app = os.environ.get(APP_ENV)
+        return DraftLink(lambda: {a: a for a in addresses}, connect, target_id)
     if app:
-        return DraftLink(ServeRegistryDiscovery(app), connect, default_target_id())
+        return DraftLink(ServeRegistryDiscovery(app), connect, target_id)
     return None
+
+
+def from_env(delay_ms: float = 0.0) -> DraftLink | None:
+    """The drafts the environment names, or None when it names none."""
+    addresses = [a.strip() for a in os.environ.get(ADDRESS_ENV, "").split(",") if a.strip()]
+    return from_names(addresses, os.environ.get(APP_ENV) or None, delay_ms)
+
+
+def portable(link: DraftLink, wait_s: float = 60.0) -> dict:
+    """What a proposer in another process (tensor-parallel workers) needs to find the same drafts:
+    this Serve app's name inside a Serve replica, else the draft addresses discovered now."""
+    import time
+
+    try:
+        from ray import serve
+
+        return {"app": serve.get_replica_context().app_name}
+    except Exception:  # not a Serve replica
+        pass
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = link.discover()
+        if any(not isinstance(a, str) for a in found.values()):
+            raise ValueError("a vLLM target whose proposer runs in vLLM's worker processes (tensor_parallel_size > 1) "
+                             "cannot reach a draft inside this process: run the sides apart (ray=True, Serve, or "
+                             f"`specserve draft` + {ADDRESS_ENV})")
+        if found or time.monotonic() > deadline:
+            return {"addresses": sorted(found.values())}
+        time.sleep(0.5)
 
 
 class ServeRegistryDiscovery:

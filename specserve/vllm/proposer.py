@@ -81,7 +81,9 @@ class RemoteDraftProposer:
             logger.error("RemoteDraftProposer: no vLLM model runner found (unsupported vLLM version?): decoding target-only")
             return
         slot = links.find(opts.get("link"))
-        link = slot.link if slot is not None else links.from_env(float(opts.get("delay_ms", 0.0)))
+        delay_ms = float(opts.get("delay_ms", 0.0))
+        link = slot.link if slot is not None else (links.from_names(opts.get("addresses") or [], opts.get("app"), delay_ms,
+                                                                    opts.get("target_id")) or links.from_env(delay_ms))
         if link is None:
             raise ValueError(f"RemoteDraftProposer: no draft named: set {links.ADDRESS_ENV}=host:port[,host:port] "
                              f"(draft servers, e.g. `specserve draft`) or {links.APP_ENV}=<specserve Serve app>")

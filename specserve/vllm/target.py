@@ -14,6 +14,7 @@ nothing of Ray or HTTP.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
@@ -61,8 +62,11 @@ class VLLMEngineCore:
             spec = cfg.speculation
             self._key = links.park(link)
             extra["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.k}
-            extra["additional_config"] = {"specserve": {"link": self._key, "min_timeout_s": spec.draft_min_timeout_s,
-                                                        "max_timeout_s": spec.draft_timeout_s, "delay_ms": cfg.channel.delay_ms}}
+            opts = {"link": self._key, "min_timeout_s": spec.draft_min_timeout_s, "max_timeout_s": spec.draft_timeout_s,
+                    "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id}
+            if t.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+                opts.update(links.portable(link))  # the proposer will run in vLLM's worker processes
+            extra["additional_config"] = {"specserve": opts}
         self.llm = LLM(**engine_kwargs(t, cfg.engine.max_model_len, tokenizer is not None, **extra))
         self.engine = self.llm.llm_engine
         slot = links.find(self._key)
@@ -195,7 +199,16 @@ class VLLMEngineCore:
         per_step = {"step_ms": t["wall_s"] / steps * 1e3, "target_forward_ms": t["target_forward_s"] / steps * 1e3,
                     "draft_wait_ms": t["draft_wait_s"] / steps * 1e3, "draft_forward_ms": t["draft_forward_s"] / steps * 1e3,
                     "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / steps * 1e3}
-        out = {**self.totals.to_dict(), **self.counters, "timing": t, "per_step": per_step, "num_running": self.num_running,
+        totals = self.totals.to_dict()
+        v = self.vllm_counters
+        if self.proposer is None and self.k and v:  # the proposer runs in vLLM's workers: vLLM's own counts
+            totals.update(num_drafts=v.get("vllm:spec_decode_num_drafts", 0), num_draft_tokens=v.get("vllm:spec_decode_num_draft_tokens", 0),
+                          num_accepted_tokens=v.get("vllm:spec_decode_num_accepted_tokens", 0),
+                          num_accepted_tokens_per_pos=list(v.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []))
+            drafted = totals["num_draft_tokens"]
+            totals["acceptance_rate"] = totals["num_accepted_tokens"] / drafted if drafted else 0.0
+            totals["mean_acceptance_length"] = 1 + totals["num_accepted_tokens"] / totals["num_drafts"] if totals["num_drafts"] else 1.0
+        out = {**totals, **self.counters, "timing": t, "per_step": per_step, "num_running": self.num_running,
                "num_waiting": len(self.waiting), "backend": "vllm", "vllm": dict(self.vllm_counters),
                "speculation": {"k": self.k, "max_k": self.k, "adaptive": False}}
         if self.proposer is not None:

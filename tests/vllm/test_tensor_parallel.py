@@ -1,9 +1,11 @@
-"""A vLLM draft with ``tensor_parallel_size=2`` on the draft node, for a transformers target.
+"""Each side's tensor parallelism is its own: TP=2 on one side, unsharded on the other.
 
-The draft's parallelism is its own: two vLLM worker processes (one OpenMP core group each,
-``VLLM_CPU_OMP_THREADS_BIND`` set by specserve on a one-NUMA-node machine) inside the draft
-actor, while the target runs unsharded. Greedy output equals the target-only reference;
-the drafts are the same as the unsharded draft's, so they are accepted as often.
+Two vLLM worker processes (one OpenMP core group each, ``VLLM_CPU_OMP_THREADS_BIND`` set
+by specserve on a one-NUMA-node machine) inside the side's actor. A TP=2 vLLM draft serves
+a transformers target; a TP=2 vLLM target verifies a transformers draft, its proposer
+running in vLLM's rank-0 worker process (the other rank proposes nothing; vLLM uses rank
+0's drafts) and reaching the draft by the address it was handed. Greedy output equals the
+target-only reference both ways.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from specserve import LLM, SamplingParams
 from specserve.config import resolve_model
 from specserve.reference import reference_generate
 
-from .conftest import ROLE, VLLM_OPTIONS, random_prompts
+from .conftest import ROLE, VLLM_OPTIONS, random_prompts, vllm_greedy
 
 PROMPTS = random_prompts(8, seed=2)
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -41,5 +43,19 @@ def test_draft_with_two_tensor_parallel_ranks(ray_cluster, reference):
         m = llm.metrics()
         assert m["drafts"]["drafts"]["draft-0"]["backend"] == "vllm"
         assert m["num_draft_tokens"] > 0 and m["acceptance_rate"] > 0.3  # the demo pair's drafts are good
+    finally:
+        llm.shutdown()
+
+
+def test_target_with_two_tensor_parallel_ranks(ray_cluster):
+    reference = vllm_greedy(resolve_model("demo:target"), PROMPTS, GREEDY.max_tokens)
+    llm = LLM("demo:target", draft="demo:draft", ray=True, target_backend="vllm", target_tensor_parallel_size=2,
+              target_backend_options=VLLM_OPTIONS, num_speculative_tokens=4, target_num_cpus=0.5, draft_num_cpus=0.5,
+              draft_min_timeout_s=5.0)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+        m = llm.metrics()  # the proposer lives in vLLM's worker: these are vLLM's own counters
+        assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
     finally:
         llm.shutdown()

@@ -1,0 +1,154 @@
+"""RemoteDraftProposer's translation of vLLM's per-step view into draft-protocol messages (no vLLM needed).
+
+A fake model runner constructs the proposer the way vLLM's does and drives ``propose`` with
+vLLM's arguments; a fake draft endpoint records every ``ProposeRequest`` and answers a
+fixed continuation. Checked: opens carry the whole prompt, results carry base_len /
+accepted prefix / appended tokens, finished requests are closed, rows are matched by
+request id whatever their order, drafts respect max_tokens, and a failing draft means empty
+proposals instead of an exception.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from specserve.build import DraftLink
+from specserve.messages import DraftBlock, HelloReply, ProposeReply
+from specserve.transport import DraftUnavailable
+from specserve.vllm import RemoteDraftProposer
+from specserve.vllm import link as links
+
+K, MAX_LEN = 3, 64
+VOCAB = {"tokenizer_sha": None, "num_tokens": None, "vocab_size": 100}
+
+
+class FakeDraft:
+    """Answers each wanted sequence with ``last token + 1, + 2, ...``; records what it was sent."""
+
+    def __init__(self):
+        self.requests, self.tokens, self.fail = [], {}, False
+
+    def hello(self, msg, timeout_s):
+        return HelloReply("fake", VOCAB)
+
+    def send(self, req):
+        if self.fail:
+            raise DraftUnavailable("down")
+        self.requests.append(req)
+        for o in req.opens:
+            self.tokens[o.request_id] = list(o.token_ids)
+        for r in req.results:
+            self.tokens[r.request_id] = self.tokens[r.request_id][: r.base_len] + list(r.token_ids)
+        for c in req.closes:
+            self.tokens.pop(c.request_id, None)
+        self.reply = ProposeReply(req.step, [DraftBlock(rid, len(self.tokens[rid]), [self.tokens[rid][-1] + i + 1 for i in range(k)])
+                                             for rid, k in zip(req.request_ids, req.num_draft_tokens)])
+
+    def recv(self, timeout_s):
+        return self.reply
+
+    def close(self):
+        pass
+
+
+class FakeModelRunner:
+    """The parts of vLLM's GPUModelRunner the proposer reads."""
+
+    def __init__(self, draft: FakeDraft, max_tokens: int = 50):
+        key = links.park(DraftLink(lambda: {"fake": draft}, lambda name, d: d, "target-test", background=False))
+        config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
+                                 model_config=SimpleNamespace(max_model_len=MAX_LEN),
+                                 additional_config={"specserve": {"link": key, "vocab": VOCAB}})
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.requests: dict = {}
+        self.max_tokens = max_tokens
+        self.removed: list[str] = []
+        self.drafter = RemoteDraftProposer(config)
+        self.tokens = np.zeros((8, MAX_LEN), dtype=np.int32)
+        self.lengths = np.zeros(8, dtype=np.int32)
+
+    def _on_request_state_removed(self, req_id, req_state):
+        self.removed.append(req_id)
+
+    def step(self, rows: dict[str, list[int]]):
+        """One engine step: ``rows`` maps each request, in batch order, to the tokens it committed
+        in this step (a new request: its prompt, then its first token)."""
+        self.input_batch.req_ids = list(rows)
+        sampled = []
+        for i, (rid, new) in enumerate(rows.items()):
+            state = self.requests.get(rid)
+            if state is None:
+                params = SimpleNamespace(max_tokens=self.max_tokens)
+                state = self.requests[rid] = SimpleNamespace(sampling_params=params, output_token_ids=[], all=[])
+                new_output = new[-1:]
+            else:
+                new_output = list(new)
+            state.all += new
+            state.output_token_ids += new_output
+            sampled.append(new_output)
+            self.tokens[i, : len(state.all)] = state.all
+            self.lengths[i] = len(state.all)
+        return self.drafter.propose(sampled, self.lengths, self.tokens)
+
+    def finish(self, rid: str):
+        self.requests.pop(rid)
+        self._on_request_state_removed(rid, None)
+
+
+def test_opens_results_closes_and_rows_by_request_id():
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft)
+    # step 1: two prompts prefilled, one token each
+    out = runner.step({"a": [1, 2, 3, 10], "b": [5, 6, 20]})
+    assert out == [[11, 12, 13], [21, 22, 23]]
+    req = draft.requests[-1]
+    assert [(o.request_id, o.token_ids, o.temperature) for o in req.opens] == [("a", [1, 2, 3, 10], 0.0), ("b", [5, 6, 20], 0.0)]
+    assert req.num_draft_tokens == [K, K]
+    # step 2, rows swapped: a accepted 2 drafts + recovered 99; b accepted all 3 + bonus 24
+    out = runner.step({"b": [21, 22, 23, 24], "a": [11, 12, 99]})
+    assert out == [[25, 26, 27], [100, 101, 102]]
+    results = {r.request_id: r for r in draft.requests[-1].results}
+    assert (results["a"].base_len, results["a"].num_accepted, results["a"].token_ids) == (4, 2, [11, 12, 99])
+    assert (results["b"].base_len, results["b"].num_accepted, results["b"].token_ids) == (3, 3, [21, 22, 23, 24])
+    assert runner.drafter.step_stats == {"a": (3, 2, False), "b": (3, 3, False)}
+    # a finishes: the runner's hook closes it; the close rides on the next request
+    runner.finish("a")
+    runner.step({"b": [25, 7]})
+    assert [c.request_id for c in draft.requests[-1].closes] == ["a"]
+    assert draft.tokens["b"] == [5, 6, 20, 21, 22, 23, 24, 25, 7]  # the draft's copy matches the target's
+
+
+def test_drafts_never_exceed_max_tokens():
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft, max_tokens=3)
+    assert runner.step({"a": [1, 2, 3]}) == [[4]]  # 1 output token so far: room for 1 draft + the bonus token
+
+
+def test_a_failing_draft_means_empty_proposals():
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft)
+    runner.step({"a": [1, 2, 3]})
+    draft.fail = True
+    assert runner.step({"a": [4, 5]}) == [[]]
+    assert runner.drafter.status()["num_draft_failures"] == 1
+    assert runner.step({"a": [6]}) == [[]]  # no draft: target-only, and counted as a fallback step
+    assert runner.drafter.step_stats["a"] == (0, 0, True)
+
+
+def test_without_a_draft_named_the_proposer_refuses_to_start(monkeypatch):
+    monkeypatch.delenv(links.ADDRESS_ENV, raising=False)
+    monkeypatch.delenv(links.APP_ENV, raising=False)
+
+    class Runner:
+        def __init__(self):
+            self.input_batch = SimpleNamespace(req_ids=[])
+            self._on_request_state_removed = lambda *a: None
+            config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
+                                     model_config=SimpleNamespace(max_model_len=MAX_LEN), additional_config={})
+            RemoteDraftProposer(config)
+
+    with pytest.raises(ValueError, match="SPECSERVE_DRAFT_ADDRESS"):
+        Runner()
