@@ -125,11 +125,11 @@ def main(argv=None) -> dict:
     prompts, _ = load_prompts(target, args.num_prompts, args.prompt_tokens)
     warmup = prompts[:2]
     options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30}
-    plain = {"model": target, "dtype": "float32", "seed": 0, "max_model_len": 512, **options}
+    plain = {"model": target, "dtype": "float32", "seed": 0, "max_model_len": 512, "disable_log_stats": False, **options}
     results = {}
     with local_cluster():
         results["vllm"] = run_plain(plain, prompts, args.max_tokens, warmup)
-        results["vllm+draft_model"] = run_plain({**plain, "disable_log_stats": False, "speculative_config": {
+        results["vllm+draft_model"] = run_plain({**plain, "speculative_config": {
             "method": "draft_model", "model": draft, "num_speculative_tokens": args.k}}, prompts, args.max_tokens, warmup)
         results["specserve vllm+hf"] = run_specserve("hf", options, prompts, args.max_tokens, args.k, warmup)
         results["specserve vllm+vllm"] = run_specserve("vllm", options, prompts, args.max_tokens, args.k, warmup)

@@ -1,13 +1,12 @@
 """vLLM engine arguments and process environment, from one specserve side's configuration.
 
 ``engine_kwargs(side, ...)`` -> keyword arguments of ``vllm.LLM``: the side's model, dtype,
-tensor parallelism and context, then whatever ``backend_options`` holds (any ``vllm.LLM`` /
-``EngineArgs`` keyword, passed through and winning). ``prepare_env(side)`` sets what vLLM
-reads from the environment before its first engine starts in this process: the engine core
-in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a proposer then shares this
-process's objects) and, on CPU with tensor parallelism, one OpenMP core group per rank
-(and worker processes, not Ray, for the ranks).
-Knows nothing of drafting.
+tensor parallelism (ranks as worker processes of this side's process) and context, then
+whatever ``backend_options`` holds (any ``vllm.LLM`` / ``EngineArgs`` keyword, passed
+through and winning). ``prepare_env(side)`` sets what vLLM reads from the environment
+before its first engine starts in this process: the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a proposer then shares this process's objects) and,
+on CPU with tensor parallelism, one OpenMP core group per rank. Knows nothing of drafting.
 """
 
 from __future__ import annotations
@@ -74,8 +73,11 @@ def engine_kwargs(side, max_model_len: int | None = None, has_tokenizer: bool = 
         kwargs["max_model_len"] = max_model_len
     if not has_tokenizer:
         kwargs["skip_tokenizer_init"] = True  # token-id prompts only (models saved without tokenizer files)
-    if side.tensor_parallel_size > 1 and is_cpu_platform():
-        kwargs["distributed_executor_backend"] = "mp"  # inside a Ray actor vLLM would pick "ray", which its CPU build lacks
+    if side.tensor_parallel_size > 1:
+        # Worker processes inside this side's process (its Ray actor already holds the devices). Inside
+        # an actor vLLM would pick its Ray executor: absent from its CPU build, and on GPUs it would ask
+        # Ray for devices this actor holds. backend_options may still choose otherwise.
+        kwargs["distributed_executor_backend"] = "mp"
     kwargs.update(extra)
     kwargs.update(side.backend_options)
     return kwargs

@@ -247,9 +247,9 @@ class RemoteDraftProposer:
                     logger.exception("RemoteDraftProposer: idle flush failed")
 
     def status(self) -> dict:
-        with self._lock:
-            return {**(self.pool.status() if self.pool is not None else {}), **self.counters, "timing": dict(self.timing),
-                    "num_seqs": len(self.seqs)}
+        """Lock-free (a step may hold the lock while a draft is slow, and metrics must never wait on it)."""
+        return {**(self.pool.status() if self.pool is not None else {}), **self.counters, "timing": dict(self.timing),
+                "num_seqs": len(self.seqs)}
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -79,6 +79,7 @@ class VLLMEngineCore:
         self.timing = {"wall_s": 0.0, "target_forward_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0}
         self.vllm_counters: dict = {}
         self._vllm_counters_at = 0.0
+        self._vllm_counters_step = -1
 
     @property
     def pool(self):
@@ -122,7 +123,8 @@ class VLLMEngineCore:
     def idle(self) -> None:
         """Nothing to step: refresh vLLM's counters, and close on the draft whatever finished last
         (vLLM tells the runner about finished requests only with its next step)."""
-        self._read_vllm_counters()
+        if self._vllm_counters_step != self.counters["num_steps"]:
+            self._read_vllm_counters()
         if self.proposer is not None:
             self.proposer.retain(set(self.target.seqs.values()))
 
@@ -187,6 +189,7 @@ class VLLMEngineCore:
     def _read_vllm_counters(self) -> None:
         """vLLM's own spec-decode counters (the authority when the proposer runs in other processes)."""
         self._vllm_counters_at = time.monotonic()
+        self._vllm_counters_step = self.counters["num_steps"]
         out = {}
         for m in self.llm.get_metrics():
             if "spec_decode" in m.name or m.name.endswith(("generation_tokens", "prompt_tokens")):
