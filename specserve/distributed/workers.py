@@ -108,7 +108,22 @@ class _Announcer:
             pass
 
 
+def _say_why(role: str):
+    """Decorator for a side's constructor: its failure, in one line, before Ray's traceback."""
+    def wrap(init):
+        def init_or_say_why(self, *args, **kwargs):
+            try:
+                init(self, *args, **kwargs)
+            except Exception as exc:
+                configure_worker_logging()
+                logger.error("specserve: cannot start the %s: %s", role, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                raise
+        return init_or_say_why
+    return wrap
+
+
 class DraftWorker:
+    @_say_why("draft")
     def __init__(self, config: dict, registry=None, name: str | None = None):
         from ..build import build_draft_service, set_cpu_threads
         from ..transport import DraftServer
@@ -164,6 +179,7 @@ class DraftWorker:
 
 
 class TargetWorker:
+    @_say_why("target")
     def __init__(self, config: dict, drafts: list | None = None, registry=None, draft_deployment=None, name: str | None = None):
         from ..adaptive import SpeculationController
         from ..build import build_target, set_cpu_threads

@@ -179,7 +179,8 @@ class Router:
             except Exception as exc:  # the registry restarts: keep the last snapshot, say it is stale
                 logger.debug("registry poll failed: %s", exc)
             targets, drafts = len(self.snapshot["target"]), len(self.snapshot["draft"])
-            if not announced and targets and (drafts or not self.cfg.speculative):
+            connected = all(t.get("draft_up") for t in self.snapshot["target"].values())
+            if not announced and targets and (not self.cfg.speculative or (drafts and connected)):
                 announced = True  # `serve run` forwards this line: it says when to connect
                 logger.warning("ready: model id %r, %d target and %d draft replica(s) up", self.model_name, targets, drafts)
             await asyncio.sleep(REGISTRY_POLL_S)
@@ -476,6 +477,12 @@ def build_app(args: dict) -> serve.Application:
                                 max_ongoing_requests=1000, logging_config={"enable_access_log": False}).bind()
     if not ray.is_initialized():
         ray.init(address="auto")
+    if sum(1 for n in ray.nodes() if n.get("Alive")) == 1:
+        # One node: the files the replicas will load are the builder's, so a wrong path or a
+        # mismatched vocabulary fails the build at once (on several nodes each side checks its own).
+        from ..preflight import check_models
+
+        check_models(cfg)
     target_opts = _side_options(cfg.target, "target", cfg)
     target_opts["max_ongoing_requests"] = cfg.engine.max_num_seqs * 4
     draft = None
