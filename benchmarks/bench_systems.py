@@ -183,7 +183,8 @@ def main(argv=None) -> dict:
             print(f"preparing scenario {name} ...", file=sys.stderr)
             scenarios.append(make_scenario(name, args, num_prompts))
             s = scenarios[-1]
-            results["scenarios"].append({"name": s.name, "target": s.target, "draft": s.draft, "sim": s.sim, "notes": s.notes,
+            results["scenarios"].append({"name": s.name, "target": s.target, "draft": s.draft, "sim": s.sim,
+                                         "time_scale": s.time_scale, "notes": s.notes,
                                          "prompt_sources": s.sources, "systems": [vars(x) for x in s.systems]})
         needs_ray = any(x.kind == "ray" for s in scenarios for x in s.systems)
         total = sum(len(s.systems) * len(args.batch_sizes) * (1 + args.repeats) for s in scenarios)

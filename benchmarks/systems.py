@@ -120,7 +120,7 @@ class HFRunner:
         import torch
 
         if batch != 1:
-            raise Skipped("transformers assisted generation supports batch size 1 only")
+            raise Skipped("transformers assisted generation supports batch size 1 only (its target-only baseline runs with it)")
         for c in self.clock.values():
             c.update(calls=0, seconds=0.0, prefill_s=0.0)
         token_ids = []
