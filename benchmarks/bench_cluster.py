@@ -32,10 +32,14 @@ def local_cluster(num_cpus_per_node: float = 8):
     import ray
     from ray.cluster_utils import Cluster
 
+    from specserve.distributed.placement import sigint_shielded
+
     cluster = previous = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: "target"}})
-        cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: "draft"})
+        # A terminal's Ctrl-C must reach only this driver (which then stops Ray in order), not the raylets.
+        with sigint_shielded():
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: "target"}})
+            cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: "draft"})
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": THREAD_ENV})
         # Ray's own SIGTERM handler does not stop a driver blocked in ray.get: make SIGTERM behave
         # like Ctrl-C so the finally below tears the cluster down.

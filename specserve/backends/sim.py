@@ -11,7 +11,9 @@ contexts, keeps it; elsewhere it swaps the target's two likeliest tokens, so its
 wrong and q stays close to p (sampled acceptance is about acceptance + (1 - acceptance)(1 - p_top)).
 Greedy acceptance is therefore ``acceptance`` per position, independent of everything else,
 and greedy speculative output equals target-only output exactly. ``forward_branches`` keeps
-each tree's lanes in scratch and never commits them. Knows nothing of drafting or verification.
+each tree's lanes in scratch and never commits them. Backends in one process that name the
+same ``shared_device`` take turns (a draft colocated with its target). Knows nothing of
+drafting or verification.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class SimBackend:
         self.eos_token_ids = set() if eos_token_id is None else {int(eos_token_id)}
         self.device = torch.device(device)
         self._lock = _DEVICE_LOCKS.setdefault(shared_device, threading.Lock()) if shared_device else contextlib.nullcontext()
-        # Noise kept in (-peak/2, peak/2): the peak token is always the target's strict argmax.
+        # Noise kept within +-0.45 peak: the peak token is always the target's strict argmax.
         num_rows = max(16, min(1024, (1 << 22) // self.vocab_size))  # at most 16 MB of noise
         noise = np.random.default_rng(self.seed).standard_normal((num_rows, self.vocab_size))
         self._noise = np.clip(noise, -0.45 * self.peak, 0.45 * self.peak).astype(np.float32)
