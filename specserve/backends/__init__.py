@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .base import ModelBackend
 
-BACKENDS = {"hf": "specserve.backends.hf:HFBackend"}
+BACKENDS = {"hf": "specserve.backends.hf:HFBackend", "sim": "specserve.backends.sim:SimBackend"}
 
 
 def create_backend(name: str, **kwargs) -> ModelBackend:
