@@ -39,8 +39,7 @@ def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     d = cfg.draft
     spec = cfg.speculation
     backend = create_backend(d)
-    ahead = own_process if spec.draft_ahead == "auto" else spec.draft_ahead
-    fanout = spec.fanout if ahead else 0
+    fanout = spec.fanout if _ahead_policy(cfg, own_process) is not False else 0
     return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
 
 
@@ -50,6 +49,12 @@ def _ngram_drafter(cfg: SpecserveConfig, own_process: bool):
 
 
 DRAFTERS = {"model": _model_drafter, "ngram": _ngram_drafter}
+
+
+def _ahead_policy(cfg: SpecserveConfig, own_process: bool) -> bool | str:
+    """Drafting ahead: as configured; "auto" is off in-process and decided per target otherwise."""
+    ahead = cfg.speculation.draft_ahead
+    return (own_process and "auto") if ahead == "auto" else ahead
 
 
 def set_cpu_threads(cfg: SpecserveConfig, in_process: bool) -> None:
@@ -95,5 +100,5 @@ def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dic
     if d.drafter == "model" and d.backend != "sim":
         check_model_source(d.model, "draft")
     drafter = DRAFTERS[d.drafter](cfg, own_process)
-    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, {"drafter": d.drafter, "backend": d.backend,
-                                                                           "model": d.model, **(info or {})})
+    info = {"drafter": d.drafter, "backend": d.backend, "model": d.model, "device": d.device, **(info or {})}
+    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, info, _ahead_policy(cfg, own_process))

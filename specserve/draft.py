@@ -38,6 +38,10 @@ from .sampling import processed_probs, sample_with_uniforms
 logger = logging.getLogger(__name__)
 
 
+def _bucket(batch_size: int) -> int:
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
 @dataclass
 class Branch:
     """A block drafted ahead for one possible verdict."""
@@ -97,6 +101,9 @@ class NgramDrafter:
     forward_s = 0.0
     step_time_s = 0.0
 
+    def step_time(self, batch_size: int) -> float:
+        return 0.0
+
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes must satisfy 1 <= ngram_min <= ngram_max, got {min_n}, {max_n}")
@@ -135,7 +142,7 @@ class ModelDrafter:
         self.max_branches = max_branches
         self.num_forwards = 0  # forwards of the last propose (critical path)
         self.forward_s = 0.0  # and their time
-        self.step_time_s = 0.0  # running estimate of one batched single-token forward
+        self.step_times: dict[int, float] = {}  # batch bucket -> running estimate of one single-token forward
         self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches
 
     def open(self, seq: DraftSeq) -> None:
@@ -179,9 +186,22 @@ class ModelDrafter:
             cands = list(zip(top.indices.tolist(), top.values.tolist()))
         return tokens.tolist(), probs_out, cands
 
-    def _time(self, start: float) -> None:
-        elapsed = time.perf_counter() - start
-        self.step_time_s = elapsed if self.step_time_s == 0.0 else 0.9 * self.step_time_s + 0.1 * elapsed
+    def _time(self, start: float, rows: int) -> None:
+        elapsed, bucket = time.perf_counter() - start, _bucket(rows)
+        old = self.step_times.get(bucket)
+        self.step_times[bucket] = elapsed if old is None else 0.9 * old + 0.1 * elapsed
+
+    def step_time(self, batch_size: int) -> float:
+        """One decode forward at this batch size: its bucket's estimate, else the nearest bucket's."""
+        if not self.step_times:
+            return 0.0
+        bucket = _bucket(batch_size)
+        nearest = min(self.step_times, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self.step_times.get(bucket, self.step_times[nearest])
+
+    @property
+    def step_time_s(self) -> float:
+        return self.step_time(1)
 
     # -- critical path ------------------------------------------------------------------------
     def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
@@ -245,7 +265,7 @@ class ModelDrafter:
                 self.num_forwards += 1
                 self.forward_s += time.perf_counter() - start
                 if max(len(feed[i]) for i in group) <= 2:
-                    self._time(start)
+                    self._time(start, len(group))
                 group_seqs = [seqs[i] for i in group]
                 positions = [s.block_base + len(s.block) for s in group_seqs]
                 tokens, probs, cands = self._choose(group_seqs, logits[:, -1], positions, want_cands=True)
@@ -403,9 +423,10 @@ class DraftSide:
         proposals = self.drafter.propose(seqs, ks)
         blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.cache_hit) for s, p in zip(seqs, proposals)]
         self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids]
-        step = self.drafter.step_time_s
+        step = self.drafter.step_time(max(1, len(seqs)))
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
-        stats = DraftStats(time.perf_counter() - start, self.drafter.forward_s, self.drafter.num_forwards, hidden, step)
+        stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,
+                           num_forwards=self.drafter.num_forwards, hidden_s=hidden, draft_step_s=step)
         return ProposeReply(req.step, blocks, missing, stats)
 
     def prepare(self, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -137,8 +137,8 @@ class LocalEngine:
         if config.speculative:
             service = build_draft_service(config, "draft-local", own_process=False)
             core.pool = DraftPool(
-                discover=lambda: {"local": service}, connect=lambda name, svc: LocalEndpoint(svc, name),
-                hello=Hello("local", target.vocab_fingerprint()), reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s,
+                discover=lambda: {"local": service}, connect=lambda name, svc: LocalEndpoint(svc, name, config.channel.delay_ms),
+                hello=Hello("local", target.vocab_fingerprint(), {"in_process": True}), reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s,
                 max_timeout_s=spec.draft_timeout_s, background=False,
             )
             if core.pool.refused:

@@ -211,7 +211,8 @@ class TargetWorker:
                 links = link_factory(cfg.channel.collective_backend, rank=0, device=cfg.target.device)
             core.pool = DraftPool(
                 discover=self._discover, connect=lambda name, address: SocketEndpoint(address, delay, link_factory=links),
-                hello=Hello(self.name, target.vocab_fingerprint()), reopen=core.reopen,
+                hello=Hello(self.name, target.vocab_fingerprint(), {"ip": info["ip"], "device": cfg.target.device}),
+                reopen=core.reopen,
                 min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
             )
         self.loop = EngineLoop(core, name=f"specserve-engine-{self.name}")
@@ -306,6 +307,10 @@ class TargetWorker:
 
     def num_seqs(self) -> int:
         return self.loop.core.num_running + len(self.loop.core.waiting)
+
+    def predict(self, batch_size: int) -> list[dict]:
+        """The speculation-length controller's predicted table for this batch size (benchmarks print it)."""
+        return self.loop.core.controller.predict(batch_size)
 
     def __del__(self):
         announcer = getattr(self, "_announcer", None)
