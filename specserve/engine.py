@@ -13,6 +13,7 @@ loop, a batch collector), so concurrent streams work by construction. Knows noth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -258,6 +259,24 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._wake.set()
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """``StepDelta``s of one request in the caller's event loop; leaving early aborts the request."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        self.submit(request_id, prompt_token_ids, params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled, or the consumer stopped: free the state on both sides
+                self.abort(request_id)
 
     @property
     def num_requests(self) -> int:

@@ -13,7 +13,7 @@ through ``stream`` (an async generator: Ray streaming or Serve ``stream=True``) 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -265,22 +265,9 @@ class TargetWorker:
 
     async def stream(self, request_id: str, token_ids: list[int], params: dict):
         """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self.loop.submit(request_id, list(token_ids), SamplingParams(**params),
-                         lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(self.loop.stream(request_id, list(token_ids), SamplingParams(**params))) as deltas:
+            async for item in deltas:
                 yield {**asdict(item), "source": self.name}
-        finally:
-            if not finished:  # cancelled or disconnected: free the state on both sides
-                self.loop.abort(request_id)
 
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
         out = RequestOutput(request_id, None, list(token_ids))
