@@ -13,7 +13,8 @@ import logging
 import os
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
-from .draft import ModelDrafter, NgramDrafter
+from .draft import NgramDrafter
+from .model_drafter import ModelDrafter
 from .draft_service import DraftService
 from .models import check_model_source, eos_token_ids, load_config, load_tokenizer, vocab_fingerprint
 from .target import TargetSide
