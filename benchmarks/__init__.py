@@ -1,1 +1,1 @@
-"""Benchmarks for specserve (run as modules: ``python -m benchmarks.bench_speculative``)."""
+"""Benchmarks for specserve (run as modules: ``python -m benchmarks.bench_systems``)."""

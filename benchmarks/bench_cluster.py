@@ -1,16 +1,17 @@
-"""A local two-node Ray cluster (target / draft labels) and a probe of the bare channel round trip.
+"""A local two-node Ray cluster (target / draft labels) and a probe of the bare round trip between them.
 
 ``local_cluster()`` starts ``ray.cluster_utils.Cluster`` with one node labelled
 ``specserve.io/role=target`` (the head; the driver runs here) and one labelled ``draft``,
-and always tears both down, also on Ctrl-C. ``measure_rtt()`` places an ``RttProbe`` actor
-on the target node and an ``Echo`` actor on the draft node and times what ``RayChannel``
-does per step with an empty draft: sleep the one-way delay, call the remote actor, sleep
-again. It knows nothing of models or speculation.
+gives every actor one torch/OpenMP thread, and always tears both nodes down, also on Ctrl-C
+or SIGTERM. ``measure_rtt()`` times an actor on the target node calling one on the draft
+node, with an emulated one-way delay slept in each direction. Knows nothing of models.
+
+    python -m benchmarks.bench_cluster --delays-ms 0,1,5     # bare round trips, two local nodes
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import contextlib
 import signal
 import statistics
@@ -18,6 +19,7 @@ import threading
 import time
 
 ROLE = "specserve.io/role"
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _raise_interrupt(signum, frame):
@@ -25,19 +27,22 @@ def _raise_interrupt(signum, frame):
 
 
 @contextlib.contextmanager
-def local_cluster(num_cpus_per_node: float = 2, torch_threads: int = 1):
-    """Yield a connected two-node cluster; every actor of this job gets ``torch_threads`` threads."""
+def local_cluster(num_cpus_per_node: float = 8):
+    """Yield a connected two-node cluster (logical CPUs: fractional sides fit many systems at once)."""
     import ray
     from ray.cluster_utils import Cluster
 
+    from specserve.distributed.placement import sigint_shielded
+
     cluster = previous = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: "target"}})
-        cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: "draft"})
-        env = {"OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads), "TOKENIZERS_PARALLELISM": "false"}
-        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": env})
-        # Ray's own SIGTERM handlers (installed above) do not stop a driver blocked in ray.get: make
-        # SIGTERM behave like Ctrl-C so the finally below tears the cluster down.
+        # A terminal's Ctrl-C must reach only this driver (which then stops Ray in order), not the raylets.
+        with sigint_shielded():
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: "target"}})
+            cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: "draft"})
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": THREAD_ENV})
+        # Ray's own SIGTERM handler does not stop a driver blocked in ray.get: make SIGTERM behave
+        # like Ctrl-C so the finally below tears the cluster down.
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         cluster.wait_for_nodes()
@@ -57,45 +62,48 @@ class Echo:
 
 
 class RttProbe:
-    async def round_trips(self, echo, num_samples: int, delay_ms: float, payload_bytes: int) -> list[float]:
+    def round_trips(self, echo, num_samples: int, delay_ms: float, payload_bytes: int) -> list[float]:
         """Round-trip times in ms, each including the emulated delay in both directions."""
+        import ray
+
         payload, delay_s = b"x" * payload_bytes, delay_ms / 1000.0
-        await echo.ping.remote(payload)  # warm: connection to the echo's worker
+        ray.get(echo.ping.remote(payload))  # warm: connection to the echo's worker
         samples = []
         for _ in range(num_samples):
             start = time.perf_counter()
             if delay_s:
-                await asyncio.sleep(delay_s)
-            await echo.ping.remote(payload)
+                time.sleep(delay_s)
+            ray.get(echo.ping.remote(payload))
             if delay_s:
-                await asyncio.sleep(delay_s)
+                time.sleep(delay_s)
             samples.append((time.perf_counter() - start) * 1000.0)
         return samples
 
-    def torch_threads(self) -> int:
-        import torch
 
-        return torch.get_num_threads()
-
-
-def start_probes(num_cpus: float = 0.05):
-    """(probe on the target node, echo on the draft node)."""
+def measure_rtt(delays_ms: list[float], num_samples: int = 30, payload_bytes: int = 256) -> list[dict]:
+    """Median / p90 / min target-node -> draft-node -> back, per one-way delay (actors killed after)."""
     import ray
 
-    probe = ray.remote(RttProbe).options(num_cpus=num_cpus, label_selector={ROLE: "target"}).remote()
-    echo = ray.remote(Echo).options(num_cpus=num_cpus, label_selector={ROLE: "draft"}).remote()
-    return probe, echo
+    probe = ray.remote(RttProbe).options(num_cpus=0.01, label_selector={ROLE: "target"}).remote()
+    echo = ray.remote(Echo).options(num_cpus=0.01, label_selector={ROLE: "draft"}).remote()
+    try:
+        out = []
+        for d in delays_ms:
+            samples = sorted(ray.get(probe.round_trips.remote(echo, num_samples, d, payload_bytes)))
+            out.append({"delay_ms": d, "rtt_ms_median": statistics.median(samples), "rtt_ms_min": samples[0],
+                        "rtt_ms_p90": samples[min(len(samples) - 1, int(0.9 * len(samples)))]})
+        return out
+    finally:
+        ray.kill(probe)
+        ray.kill(echo)
 
 
-def measure_rtt(probe, echo, delay_ms: float, num_samples: int = 50, payload_bytes: int = 256) -> dict:
-    """Median / p90 / min of the target -> draft -> target round trip at one emulated one-way delay."""
-    import ray
-
-    samples = sorted(ray.get(probe.round_trips.remote(echo, num_samples, delay_ms, payload_bytes)))
-    return {
-        "delay_ms": delay_ms,
-        "rtt_ms_median": statistics.median(samples),
-        "rtt_ms_p90": samples[min(len(samples) - 1, int(0.9 * len(samples)))],
-        "rtt_ms_min": samples[0],
-        "rtt_ms_samples": samples,
-    }
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="bare round trip between two local Ray nodes")
+    p.add_argument("--delays-ms", default="0,1,5")
+    p.add_argument("--samples", type=int, default=50)
+    a = p.parse_args()
+    with local_cluster():
+        for row in measure_rtt([float(x) for x in a.delays_ms.split(",")], a.samples):
+            print(f"one-way delay {row['delay_ms']:g} ms: RTT median {row['rtt_ms_median']:.2f} ms "
+                  f"(min {row['rtt_ms_min']:.2f}, p90 {row['rtt_ms_p90']:.2f})")

@@ -25,7 +25,7 @@ import json
 import time
 
 from .bench_cluster import ROLE, local_cluster
-from .bench_speculative import load_prompts
+from .scenarios import heldout_prompts as load_prompts
 
 
 class PlainVLLM:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
-from .draft import ModelDrafter, NgramDrafter
+from .draft import NgramDrafter
+from .model_drafter import ModelDrafter
 from .draft_service import DraftService
 from .models import check_model_source, eos_token_ids, load_config, load_tokenizer, vocab_fingerprint
 from .target import TargetSide
@@ -51,8 +52,7 @@ def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     if own is not None:  # a backend that drafts with its own engine
         return own(cfg)
     backend = create_backend(d)
-    ahead = own_process if spec.draft_ahead == "auto" else spec.draft_ahead
-    fanout = spec.fanout if ahead else 0
+    fanout = spec.fanout if _ahead_policy(cfg, own_process) is not False else 0
     return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
 
 
@@ -62,6 +62,12 @@ def _ngram_drafter(cfg: SpecserveConfig, own_process: bool):
 
 
 DRAFTERS = {"model": _model_drafter, "ngram": _ngram_drafter}
+
+
+def _ahead_policy(cfg: SpecserveConfig, own_process: bool) -> bool | str:
+    """Drafting ahead: as configured; "auto" is off in-process and decided per target otherwise."""
+    ahead = cfg.speculation.draft_ahead
+    return (own_process and "auto") if ahead == "auto" else ahead
 
 
 def set_cpu_threads(cfg: SpecserveConfig, in_process: bool) -> None:
@@ -94,6 +100,7 @@ class DraftLink:
     connect: Callable[[str, object], object]
     target_id: str
     background: bool = True  # discover and reconnect on a background thread (else once, now)
+    hello_info: dict = field(default_factory=dict)  # what the target tells its drafts about itself
 
 
 def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = "specserve-engine"):
@@ -113,7 +120,7 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
     core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
     if link is not None:
         core.pool = DraftPool(
-            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, target.vocab_fingerprint()),
+            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, target.vocab_fingerprint(), link.hello_info),
             reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
             background=link.background,
         )
@@ -141,5 +148,5 @@ def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dic
     if d.drafter == "model" and d.backend != "sim":
         check_model_source(d.model, "draft")
     drafter = DRAFTERS[d.drafter](cfg, own_process)
-    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, {"drafter": d.drafter, "backend": d.backend,
-                                                                           "model": d.model, **(info or {})})
+    info = {"drafter": d.drafter, "backend": d.backend, "model": d.model, "device": d.device, **(info or {})}
+    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, info, _ahead_policy(cfg, own_process))

@@ -11,6 +11,7 @@ draft. Knows nothing of sockets or Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,8 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 class DraftService:
-    def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None):
+    def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None, ahead: bool | str = True):
+        """``ahead``: draft ahead (when the drafter can): True, False, or "auto": not for a target on
+        this same machine while the draft runs on its CPU (they would share cores)."""
         self.drafter = drafter
+        self.ahead = ahead
+        self.no_ahead: set[str] = set()  # connections that do not get drafting ahead
         self.fingerprint = fingerprint
         self.draft_id = draft_id
         self.info = dict(info or {})
@@ -50,11 +55,19 @@ class DraftService:
                 old.close_all()
             self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/")
             self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
+            shares_cores = msg.info.get("in_process") or (
+                msg.info.get("ip") is not None and msg.info.get("ip") == self.info.get("ip")
+                and str(self.info.get("device", "cpu")).startswith("cpu"))
+            if self.ahead is False or (self.ahead == "auto" and shares_cores):
+                self.no_ahead.add(conn)
+            else:
+                self.no_ahead.discard(conn)
             self.counters["num_connections"] += 1
         logger.info("target %s connected as %s", msg.target_id, conn)
         return HelloReply(self.draft_id, self.fingerprint, None, self.info)
 
     def handle(self, conn: str, req: ProposeRequest) -> ProposeReply:
+        arrived = time.perf_counter()
         with self._waiting_lock:
             self._waiting += 1
         try:
@@ -62,11 +75,13 @@ class DraftService:
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
+        queued = time.perf_counter() - arrived
         try:
             side = self.sides.get(conn)
             if side is None:
                 raise ProtocolError(f"connection {conn!r} sent a request before Hello")
             reply = side.handle(req)
+            reply = dataclasses.replace(reply, stats=dataclasses.replace(reply.stats, queue_s=queued))
             self.targets[conn]["num_requests"] += 1
             c = self.counters
             c["num_requests"] += 1
@@ -83,13 +98,15 @@ class DraftService:
 
     @property
     def drafts_ahead(self) -> bool:
-        """Whether ``prepare`` has work to do (the drafter keeps a speculation cache)."""
-        return getattr(self.drafter, "fanout", 0) > 0
+        """Whether ``prepare`` can have work to do (the drafter keeps a speculation cache)."""
+        return getattr(self.drafter, "fanout", 0) > 0 and self.ahead is not False
 
     def request_waiting(self) -> bool:
         return self._waiting > 0
 
     def prepare(self, conn: str, should_stop: Callable[[], bool] | None = None) -> None:
+        if conn in self.no_ahead:
+            return
         stop = should_stop or self.request_waiting
         with self.lock:
             side = self.sides.get(conn)

@@ -13,6 +13,7 @@ loop, a batch collector), so concurrent streams work by construction. Knows noth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -43,8 +44,8 @@ class StepResult:
     failed: dict[str, Exception] = field(default_factory=dict)
 
 
-TIMING_KEYS = ("wall_s", "target_forward_s", "prefill_s", "draft_wait_s", "draft_compute_s", "draft_forward_s",
-               "draft_hidden_s")
+TIMING_KEYS = ("wall_s", "target_forward_s", "prefill_s", "draft_wait_s", "draft_queue_s", "draft_compute_s",
+               "draft_forward_s", "draft_hidden_s")
 
 
 class EngineCore:
@@ -185,10 +186,11 @@ class EngineCore:
         hits = sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids)
         num_blocks = sum(1 for b in blocks.values() if b.draft_token_ids)
         if outcome is not None:
-            self.controller.observe_step(batch_size, tokens_per_row, target_s, outcome.wait_s, outcome.compute_s,
+            self.controller.observe_step(batch_size, tokens_per_row, target_s, outcome.wait_s, outcome.compute_s + outcome.queue_s,
                                          outcome.forward_s, outcome.draft_step_s, num_blocks, hits)
             t = self.timing
             t["draft_wait_s"] += outcome.wait_s
+            t["draft_queue_s"] += outcome.queue_s
             t["draft_compute_s"] += outcome.compute_s
             t["draft_forward_s"] += outcome.forward_s
             t["draft_hidden_s"] += outcome.hidden_s
@@ -218,7 +220,8 @@ class EngineCore:
             "target_forward_ms": t["target_forward_s"] / steps * 1e3,
             "draft_wait_ms": t["draft_wait_s"] / spec_steps * 1e3,
             "draft_forward_ms": t["draft_forward_s"] / spec_steps * 1e3,
-            "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec_steps * 1e3,
+            "link_ms": (t["draft_wait_s"] - t["draft_compute_s"] - t["draft_queue_s"]) / spec_steps * 1e3,
+            "draft_queue_ms": t["draft_queue_s"] / spec_steps * 1e3,  # waiting for the draft's own work (drafting ahead)
             # Wall time not spent in model forwards on the critical path: link, serialization, Python.
             "overhead_ms": (t["wall_s"] - t["target_forward_s"] - t["prefill_s"] - t["draft_forward_s"]) / steps * 1e3,
         }
@@ -256,6 +259,24 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.append(("abort", request_id))
         self._wake.set()
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        """``StepDelta``s of one request in the caller's event loop; leaving early aborts the request."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+        self.submit(request_id, prompt_token_ids, params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # cancelled, or the consumer stopped: free the state on both sides
+                self.abort(request_id)
 
     @property
     def num_requests(self) -> int:

@@ -9,7 +9,6 @@ order; ``stream`` yields deltas and any number of streams may run at once.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import queue
@@ -128,7 +127,8 @@ class LocalEngine:
         link = None
         if config.speculative:
             service = build_draft_service(config, "draft-local", own_process=False)
-            link = DraftLink(lambda: {"local": service}, lambda name, svc: LocalEndpoint(svc, name), "local", background=False)
+            link = DraftLink(lambda: {"local": service}, lambda name, svc: LocalEndpoint(svc, name, config.channel.delay_ms), "local",
+                             background=False, hello_info={"in_process": True})
         self.loop = build_engine_loop(config, link)  # specserve's engine, or the backend's (vllm)
         pool = self.loop.core.pool
         if pool is not None and pool.refused:
@@ -183,22 +183,8 @@ class LocalEngine:
             raise
         return [outputs[rid] for rid in order]
 
-    async def stream(self, token_ids, params, request_id):
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue = asyncio.Queue()
-        self.loop.submit(request_id, token_ids, params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
-        finished = False
-        try:
-            while not finished:
-                item = await deltas.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.loop.abort(request_id)
+    def stream(self, token_ids, params, request_id):
+        return self.loop.stream(request_id, token_ids, params)
 
     def metrics(self) -> dict:
         return self.loop.core.metrics()

@@ -32,6 +32,7 @@ class ProtocolError(ValueError):
 class Hello:
     target_id: str
     vocab: dict  # models.vocab_fingerprint of the target
+    info: dict = field(default_factory=dict)  # where the target runs (ip, device): the draft decides whether to draft ahead
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class DraftBlock:
 
 @dataclass(frozen=True)
 class DraftStats:
+    queue_s: float = 0.0  # time the request waited for the draft (drafting ahead yielding, another target's request)
     compute_s: float = 0.0  # draft time spent answering this request (on the critical path)
     forward_s: float = 0.0  # of which model forwards
     num_forwards: int = 0  # draft forwards on the critical path

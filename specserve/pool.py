@@ -49,6 +49,7 @@ class ProposeOutcome:
     blocks: dict[str, DraftBlock]
     fallback: set[str]  # wanted sequences that got no block because no draft could answer
     wait_s: float = 0.0  # send to last reply
+    queue_s: float = 0.0  # of which the slowest draft's queueing (waiting for its look-ahead to yield)
     compute_s: float = 0.0  # slowest draft's time answering (reported by the draft)
     forward_s: float = 0.0  # of which forwards
     hidden_s: float = 0.0  # drafting time the speculation caches took off the critical path
@@ -267,6 +268,7 @@ class DraftPool:
                     self._assign(rid)
             s = reply.stats
             out.compute_s, out.forward_s = max(out.compute_s, s.compute_s), max(out.forward_s, s.forward_s)
+            out.queue_s = max(out.queue_s, s.queue_s)
             out.hidden_s += s.hidden_s
             out.draft_step_s = max(out.draft_step_s, s.draft_step_s)
         out.wait_s = time.perf_counter() - start

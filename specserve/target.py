@@ -71,7 +71,8 @@ class TargetSide:
         StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
 
     def vocab_fingerprint(self) -> dict:
-        return vocab_fingerprint(self.tokenizer, self.vocab_size)
+        own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
+        return own() if own is not None else vocab_fingerprint(self.tokenizer, self.vocab_size)
 
     def open(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> None:
         """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward."""

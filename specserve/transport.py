@@ -190,9 +190,10 @@ class SocketEndpoint:
 class LocalEndpoint:
     """An in-process draft: direct calls; drafting ahead runs on a helper thread (torch drops the GIL)."""
 
-    def __init__(self, service: DraftService, name: str = "local"):
+    def __init__(self, service: DraftService, name: str = "local", delay_ms: float = 0.0):
         self.name = name
         self.service = service
+        self.delay_s = delay_ms / 1000.0  # emulated link, as for sockets (in-process link sweeps)
         self.conn = f"{name}-{next(_conn_ids)}"
         self._reply: ProposeReply | None = None
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="specserve-draft-ahead") if service.drafts_ahead else None
@@ -201,6 +202,8 @@ class LocalEndpoint:
         return self.service.hello(self.conn, msg)
 
     def send(self, req: ProposeRequest) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         self._reply = self.service.handle(self.conn, req)
         if self._ahead is not None:
             self._ahead.submit(self.service.prepare, self.conn)
@@ -208,6 +211,8 @@ class LocalEndpoint:
     def recv(self, timeout_s: float) -> ProposeReply:
         reply, self._reply = self._reply, None
         assert reply is not None
+        if self.delay_s:
+            time.sleep(self.delay_s)
         return reply
 
     def close(self) -> None:

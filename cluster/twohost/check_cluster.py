@@ -119,10 +119,20 @@ def serve_phase(config: str, url: str, by_role: dict, timeout_s: float, errors: 
     with open(os.path.expanduser(config)) as f:
         app_args = yaml.safe_load(f)["applications"][0].get("args") or {}
     body = {"prompt": "def main():", "max_tokens": 8, "temperature": 0}
-    if app_args.get("model_name"):
-        body["model"] = app_args["model_name"]
+    name = (app_args.get("server") or {}).get("model_name")
+    if name:
+        body["model"] = name
     subprocess.run(["serve", "deploy", os.path.expanduser(config)], check=True)
     deadline = time.monotonic() + timeout_s
+    health = url.replace("/v1/completions", "/health")
+    while time.monotonic() < deadline:  # "ok": every target has its draft connected
+        try:
+            with urllib.request.urlopen(health, timeout=5) as resp:
+                if json.loads(resp.read()).get("status") == "ok":
+                    break
+        except Exception:  # not up yet (404 while deploying, 503 while loading)
+            pass
+        time.sleep(1)
     completion, last_err = None, None
     while completion is None and time.monotonic() < deadline:
         try:

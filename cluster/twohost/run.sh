@@ -236,9 +236,11 @@ import sys, yaml
 src, dst, models = sys.argv[1:]
 config = yaml.safe_load(open(src))
 for app in config["applications"]:
-    app["args"].update(target_num_cpus=0.5, draft_num_cpus=0.5)
-    if models:
-        app["args"].update(target=f"{models}/target", draft=f"{models}/draft")
+    args = app.setdefault("args", {})
+    for side in ("target", "draft"):
+        args[side] = {**(args.get(side) or {}), "num_cpus": 0.5}
+        if models:
+            args[side]["model"] = f"{models}/{side}"
 yaml.safe_dump(config, open(dst, "w"), sort_keys=False)
 EOF
   log "serve config: $SERVE_CONFIG -> $SERVE_PATH (models: ${SPECSERVE_TWOHOST_MODELS:-tiny})"

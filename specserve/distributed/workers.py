@@ -13,7 +13,7 @@ through ``stream`` (an async generator: Ray streaming or Serve ``stream=True``) 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -108,7 +108,22 @@ class _Announcer:
             pass
 
 
+def _say_why(role: str):
+    """Decorator for a side's constructor: its failure, in one line, before Ray's traceback."""
+    def wrap(init):
+        def init_or_say_why(self, *args, **kwargs):
+            try:
+                init(self, *args, **kwargs)
+            except Exception as exc:
+                configure_worker_logging()
+                logger.error("specserve: cannot start the %s: %s", role, str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                raise
+        return init_or_say_why
+    return wrap
+
+
 class DraftWorker:
+    @_say_why("draft")
     def __init__(self, config: dict, registry=None, name: str | None = None):
         from ..build import build_draft_service, set_cpu_threads
         from ..transport import DraftServer
@@ -164,6 +179,7 @@ class DraftWorker:
 
 
 class TargetWorker:
+    @_say_why("target")
     def __init__(self, config: dict, drafts: list | None = None, registry=None, draft_deployment=None, name: str | None = None):
         from ..build import DraftLink, build_engine_loop, set_cpu_threads
         from ..transport import SocketEndpoint
@@ -185,7 +201,8 @@ class TargetWorker:
                 from .collective import link_factory
 
                 links = link_factory(cfg.channel.collective_backend, rank=0, device=cfg.target.device)
-            link = DraftLink(self._discover, lambda name, address: SocketEndpoint(address, delay, link_factory=links), self.name)
+            link = DraftLink(self._discover, lambda name, address: SocketEndpoint(address, delay, link_factory=links), self.name,
+                             hello_info={"ip": info["ip"], "device": cfg.target.device})
         self.loop = build_engine_loop(cfg, link, name=f"specserve-engine-{self.name}")  # specserve's engine, or the backend's (vllm)
         target = self.loop.core.target
         self.tokenizer = target.tokenizer
@@ -238,22 +255,9 @@ class TargetWorker:
 
     async def stream(self, request_id: str, token_ids: list[int], params: dict):
         """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self.loop.submit(request_id, list(token_ids), SamplingParams(**params),
-                         lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
+        async with contextlib.aclosing(self.loop.stream(request_id, list(token_ids), SamplingParams(**params))) as deltas:
+            async for item in deltas:
                 yield {**asdict(item), "source": self.name}
-        finally:
-            if not finished:  # cancelled or disconnected: free the state on both sides
-                self.loop.abort(request_id)
 
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
         out = RequestOutput(request_id, None, list(token_ids))
@@ -280,6 +284,10 @@ class TargetWorker:
 
     def num_seqs(self) -> int:
         return self.loop.core.num_running + len(self.loop.core.waiting)
+
+    def predict(self, batch_size: int) -> list[dict]:
+        """The speculation-length controller's predicted table for this batch size (benchmarks print it)."""
+        return self.loop.core.controller.predict(batch_size)
 
     def __del__(self):
         announcer = getattr(self, "_announcer", None)

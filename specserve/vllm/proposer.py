@@ -91,7 +91,7 @@ class RemoteDraftProposer:
             slot.proposer = self
         self._hook_finished()
         self.pool = DraftPool(
-            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config)),
+            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config), link.hello_info),
             reopen=self._reopen, min_timeout_s=float(opts.get("min_timeout_s", 0.5)),
             max_timeout_s=float(opts.get("max_timeout_s", 10.0)), background=link.background,
         )

@@ -25,12 +25,24 @@ def start_cluster(targets: int = 1, drafts: int = 1, cpus: float = 2):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-
     cluster = start_cluster()
     yield cluster
+    stop_cluster(cluster)
+
+
+def stop_cluster(cluster) -> None:
+    """Stop the module's cluster and forget Serve's cached controller handle.
+
+    Serve caches its controller client per driver job id, and the first driver of every
+    fresh cluster gets the same job id, so without this the next module's `serve.status()`
+    would talk to the previous cluster's dead controller.
+    """
+    import ray
+    from ray.serve import context
+
     ray.shutdown()
     cluster.shutdown()
+    getattr(context, "_set_global_client", lambda _: None)(None)
 
 
 def node_labels(node_id: str) -> dict:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specserve import SamplingParams
 from specserve.reference import reference_generate
 
-from .conftest import free_port, node_labels, serve_actors, start_cluster
+from .conftest import free_port, node_labels, serve_actors, start_cluster, stop_cluster
 
 MODEL = "target"
 PROMPTS = [[5 + i % 11, 6 + i % 7, 7, 8 + i % 5] for i in range(16)]
@@ -32,12 +32,9 @@ N_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-
     c = start_cluster(targets=2, drafts=2)
     yield c
-    ray.shutdown()
-    c.shutdown()
+    stop_cluster(c)
 
 
 def config(tiny_pair, drafts: int) -> dict:

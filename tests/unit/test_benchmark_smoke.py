@@ -1,6 +1,6 @@
-"""Smoke test of benchmarks/bench_speculative.py: ``--quick --mode local`` on tiny random models.
+"""Smoke test of benchmarks/bench_systems.py in --quick mode: tiny random models and the simulator, no Ray.
 
-Checks what the run writes (tables, plot, JSON fields), never timing values.
+Checks what the run writes (tables, JSON fields, plots, the skip lines), never timing values.
 """
 
 from __future__ import annotations
@@ -9,42 +9,54 @@ import json
 
 import torch
 
-from benchmarks.bench_speculative import main
+from benchmarks.bench_systems import main
 
 from ..conftest import make_model
 
+PNG = b"\x89PNG\r\n\x1a\n"
 
-def test_quick_local_run_writes_tables_plot_and_json(tmp_path, capsys):
+
+def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     torch.set_num_threads(1)
     target = make_model(tmp_path / "target", seed=0)
     make_model(tmp_path / "draft", seed=1, noise_from=target, noise=0.3)  # perturbed: accepts some, not all
     out = tmp_path / "out"
-    main(["--quick", "--mode", "local", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-          "--batch-sizes", "1,2", "--ks", "0,2", "--dtype", "float64", "--out", str(out)])
+    main(["--quick", "--scenarios", "custom,sim", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+          "--no-ray", "--vllm-python", "/bin/false", "--batch-sizes", "1,2", "--ks", "2", "--k", "2", "--max-tokens", "6",
+          "--prompt-tokens", "8", "--sim-time-scale", "0.002", "--out", str(out)])
 
     data = json.loads((out / "results.json").read_text())
-    assert "ray" not in data
-    assert len(data["meta"]["prompt_sources"]) == 2 and data["meta"]["torch_threads"] == 1
-    runs = data["local"]["runs"]
-    assert [(r["batch_size"], r["k"]) for r in runs] == [(1, 0), (1, 2), (2, 0), (2, 2)]
-    for r in runs:
-        assert r["num_tokens"] == 2 * 8  # 2 prompts x 8 tokens (ignore_eos)
-        assert len(r["tokens_per_s"]) == 1 and r["median_tokens_per_s"] > 0 and r["speedup"] > 0
-        assert r["greedy_equals_target_only"] is True
-        assert "token_ids" not in r
-        if r["k"] == 0:
-            assert r["speedup"] == 1.0 and r["num_draft_tokens"] == 0
-        else:
-            assert r["num_draft_tokens"] > 0 and 0.0 <= r["acceptance_rate"] <= 1.0
-            assert 1.0 <= r["mean_acceptance_length"] <= r["k"] + 1
-    assert [d["batch_size"] for d in data["local"]["draft_decode"]] == [1, 2]
+    assert data["meta"]["quick"] is True and [s["name"] for s in data["scenarios"]] == ["custom", "sim"]
+    records = data["records"]
+    systems = {(r["scenario"], r["system"]) for r in records}
+    assert {("custom", "target-only"), ("custom", "specserve k=2"), ("custom", "specserve adaptive k<=2"),
+            ("custom", "hf target-only"), ("custom", "hf assisted k=2"), ("custom", "hf assisted heuristic k0=2"),
+            ("sim", "target-only"), ("sim", "specserve k=2"), ("sim", "colocated k=2")} <= systems
+    for r in records:
+        assert "token_ids" not in r and r["wall_s"] > 0 and r["repeat"] == 0
+        if r["kind"] == "specserve":
+            assert {"step_ms", "target_forward_ms", "draft_forward_ms", "link_ms", "overhead_ms", "speculation"} <= set(r)
+    assert {r["batch"] for r in records if r["system"] == "hf assisted k=2"} == {1}  # transformers: batch 1 only
+    reasons = " ".join(f"{s['system']}: {s['reason']}" for s in data["skipped"])
+    assert "vllm target-only: vLLM is not importable" in reasons and "batch size 1 only" in reasons
+
+    summary = {(r["scenario"], r["system"], r["batch"]): r for r in data["summary"]}
+    for row in summary.values():
+        assert row["greedy_exact"] is True, row["system"]  # every system equals its own target-only, token for token
+        assert row["tokens_per_s"] > 0 and row["speedup"] > 0
+    fixed = summary[("sim", "specserve k=2", 1)]
+    assert fixed["serial_bound"] > 0 and fixed["overlapped_bound"] >= fixed["serial_bound"] and 1 <= fixed["tokens_per_step"] <= 3
+    assert summary[("custom", "target-only", 2)]["speedup"] == 1.0
+    assert summary[("sim", "specserve adaptive k<=2", 1)]["predicted"][0]["k"] == 0
 
     tables = (out / "tables.md").read_text()
-    assert "| batch | k | tokens/s | spread | speedup | acceptance rate | mean acceptance length |" in tables
-    assert "RTT < time saved per step" in tables
+    for text in ("## Scenario `custom`", "## Scenario `sim`", "### batch 2", "| system | k | tok/s | min-max | speed-up |",
+                 "serial bound", "predicted vs measured speed-up", "## Skipped"):
+        assert text in tables
     assert tables.splitlines()[0] in capsys.readouterr().out  # also printed
-    assert (out / "speedup_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not (out / "speedup_vs_delay.png").exists()
+    for name in ("speedup_vs_k", "speedup_vs_batch", "fraction_of_bound"):
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG
+    assert not (out / "speedup_vs_delay.png").exists()  # no Ray systems ran
 
     main(["--from-json", str(out / "results.json"), "--out", str(tmp_path / "redrawn")])  # measures nothing
     assert (tmp_path / "redrawn" / "tables.md").read_text() == tables

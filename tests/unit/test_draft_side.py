@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specserve.backends.hf import HFBackend
-from specserve.draft import DraftSide, ModelDrafter
+from specserve.draft import DraftSide
+from specserve.model_drafter import ModelDrafter
 from specserve.messages import OpenSeq, ProposeRequest, VerifyResult
 
 

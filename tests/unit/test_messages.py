@@ -23,7 +23,7 @@ BLOCK = DraftBlock("r1", base_len=13, draft_token_ids=[7, 8], draft_probs=np.ran
     Hello("t1", {"tokenizer_sha": "ab", "num_tokens": 3, "vocab_size": 4}),
     HelloReply("d1", None, "vocabularies differ", {"node_id": "x"}),
     ProposeRequest(5, [OPEN], [RESULT], [CLOSE], ["r1", "r4"], [4, 2]),
-    ProposeReply(5, [BLOCK, DraftBlock("r3", 2, [1], None)], ["r9"], DraftStats(0.1, 0.05, 3, 0.2, 0.01)),
+    ProposeReply(5, [BLOCK, DraftBlock("r3", 2, [1], None)], ["r9"], DraftStats(queue_s=0.001, compute_s=0.1, forward_s=0.05, num_forwards=3, hidden_s=0.2, draft_step_s=0.01)),
 ])
 def test_round_trip(msg):
     back = decode(encode(msg))

@@ -1,0 +1,212 @@
+"""Every system side by side, in one run, interleaved, with the same prompts and settings.
+
+Data flow: for each scenario (``scenarios.py``: demo pair, realistic-cost pair, simulated
+Spark + 5090) load every system once (``systems.py``: target-only, specserve in-process at
+several k and adaptive, specserve on two labelled Ray nodes with drafting ahead on/off and
+emulated link delays, transformers assisted generation, vLLM target-only and colocated
+draft-model speculation); then for each batch size warm each system up and run the
+repeats round-robin (the order rotates each repeat), so a noisy moment on a shared machine
+hits all systems alike -> records -> ``report.py`` (tables.md, results.json) and
+``plots.py`` (PNGs) in ``--out``. Ctrl-C / SIGTERM stop Ray, the models and vLLM cleanly
+and still write what was measured.
+
+    python -m benchmarks.bench_systems                    # full: batch 1, 8, 32; 3 repeats (long)
+    python -m benchmarks.bench_systems --quick            # every system, tiny sizes (minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `specserve` and `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FULL = dict(scenarios="demo,realistic,sim", batch_sizes="1,8,32", ks="2,4,8", k=4, delays_ms="0,1,5",
+            links="same-host,10gbe,1gbe,wan-5ms", num_prompts=4, prompt_tokens=64, max_tokens=64, repeats=3, sim_time_scale=0.2)
+QUICK = dict(scenarios="demo,realistic,sim", batch_sizes="1,8", ks="2,4", k=4, delays_ms="0,2", links="10gbe,wan-5ms",
+             num_prompts=2, prompt_tokens=32, max_tokens=16, repeats=1, sim_time_scale=0.05)
+
+
+def _list(text: str, cast=str) -> list:
+    return [cast(x) for x in str(text).split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from benchmarks.systems import default_vllm_python
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: every system once, to prove the harness end to end")
+    p.add_argument("--scenarios", help=f"demo, realistic, sim, custom (--target/--draft) [{FULL['scenarios']}]")
+    p.add_argument("--batch-sizes", help=f"concurrent requests per wave [{FULL['batch_sizes']}]")
+    p.add_argument("--ks", help=f"in-process specserve k sweep [{FULL['ks']}]")
+    p.add_argument("--k", type=int, help=f"k of the Ray, transformers, vLLM and colocated systems [{FULL['k']}]")
+    p.add_argument("--delays-ms", help=f"emulated one-way link delays for Ray, model pairs [{FULL['delays_ms']}]")
+    p.add_argument("--links", help=f"link profiles for Ray, sim scenario [{FULL['links']}]")
+    p.add_argument("--num-prompts", type=int, help=f"prompts per run at batch 1 (batch B runs max(B, this)) [{FULL['num_prompts']}]")
+    p.add_argument("--prompt-tokens", type=int, help=f"prompt length in tokens [{FULL['prompt_tokens']}]")
+    p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt [{FULL['max_tokens']}]")
+    p.add_argument("--repeats", type=int, help=f"timed repeats per system and batch size [{FULL['repeats']}]")
+    p.add_argument("--sim-time-scale", type=float, help=f"sim: multiply every modelled time by this [{FULL['sim_time_scale']}]")
+    p.add_argument("--sim-acceptance", type=float, default=0.8, help="sim: the draft's per-token greedy acceptance [0.8]")
+    p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py (default: built into --out)")
+    p.add_argument("--target", help="custom scenario: target model directory")
+    p.add_argument("--draft", help="custom scenario: draft model directory")
+    p.add_argument("--dtype", default="float32", help="dtype of every real model [float32]")
+    p.add_argument("--side-cpus", type=float, default=0.25, help="Ray: logical CPUs reserved per side [0.25]")
+    p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the two-node Ray systems")
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers assisted generation")
+    p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM")
+    p.add_argument("--vllm-python", default=default_vllm_python(), help="a Python with vLLM [env SPECSERVE_VLLM_PYTHON, /work/venv-vllm]")
+    p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, help="vLLM without torch.compile [quick: yes, full: no]")
+    p.add_argument("--vllm-max-model-len", type=int, default=512, help="vLLM max_model_len [512, the demo pair's context]")
+    p.add_argument("--out", default="bench_out", help="folder for tables.md, results.json, the plots [bench_out]")
+    p.add_argument("--from-json", help="measure nothing: redraw tables and plots from a results.json into --out")
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.vllm_eager is None:
+        args.vllm_eager = args.quick
+    args.scenarios, args.batch_sizes, args.ks = _list(args.scenarios), _list(args.batch_sizes, int), _list(args.ks, int)
+    args.delays_ms, args.links = _list(args.delays_ms, float), _list(args.links)
+    if min(args.batch_sizes + args.ks + [args.k, args.num_prompts, args.max_tokens, args.repeats]) < 1:
+        p.error("batch sizes, k values, --num-prompts, --max-tokens and --repeats must be >= 1")
+    if not (args.delays_ms and args.links):
+        p.error("--delays-ms and --links need at least one value each")
+    return args
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def bench_scenario(scenario, args, cluster_address, bar, results) -> None:
+    """Load every system of one scenario, then run all repeats of each batch size round-robin."""
+    from benchmarks.systems import Skipped, make_runner
+
+    runners = {}
+    try:
+        for spec in scenario.systems:
+            bar.set_postfix_str(f"{scenario.name}: loading {spec.name}")
+            try:
+                runners[spec.name] = make_runner(spec, scenario, args, cluster_address)
+            except Skipped as exc:
+                results["skipped"].append({"scenario": scenario.name, "system": spec.name, "reason": str(exc)})
+                bar.write(f"skip {scenario.name} / {spec.name}: {exc}", file=sys.stderr)
+            except Exception as exc:  # one broken system must not stop the others; the report lists it
+                traceback.print_exc()
+                results["skipped"].append({"scenario": scenario.name, "system": spec.name, "reason": f"failed to load: {exc}"})
+        specs = [s for s in scenario.systems if s.name in runners]
+        for batch in args.batch_sizes:
+            prompts = scenario.prompts[: max(batch, args.num_prompts)]
+            live = []
+            for spec in specs:  # warm-up (also finds the systems that cannot run this batch size)
+                bar.set_postfix_str(f"{scenario.name} b={batch}: warm-up {spec.name}")
+                try:
+                    runners[spec.name].run(prompts[:batch], batch, min(8, args.max_tokens))
+                    live.append(spec)
+                except Skipped as exc:
+                    results["skipped"].append({"scenario": scenario.name, "system": f"{spec.name} (batch {batch})", "reason": str(exc)})
+                bar.update(1)
+            for repeat in range(args.repeats):
+                shift = repeat % max(1, len(live))
+                for spec in live[shift:] + live[:shift]:
+                    bar.set_postfix_str(f"{scenario.name} b={batch} r={repeat + 1}: {spec.name}")
+                    record = runners[spec.name].run(prompts, batch, args.max_tokens)
+                    results["records"].append({"scenario": scenario.name, "system": spec.name, "kind": spec.kind, "k": spec.k,
+                                               "baseline": spec.baseline, "delay_ms": spec.delay_ms, "link": spec.link,
+                                               "batch": batch, "repeat": repeat, **record})
+                    n = sum(len(t) for t in record["token_ids"])
+                    bar.write(f"{scenario.name:9s} b={batch:<2d} r={repeat + 1} {spec.name:32s} {n / record['wall_s']:8.1f} tok/s",
+                              file=sys.stderr)
+                    bar.update(1)
+            bar.update((len(specs) - len(live)) * args.repeats)
+    finally:
+        for name, runner in runners.items():
+            bar.set_postfix_str(f"{scenario.name}: closing {name}")
+            runner.close()
+
+
+def finish(results: dict, out: Path) -> str:
+    from benchmarks.plots import write_plots
+    from benchmarks.report import summarize, write_report
+
+    results["summary"] = summarize(results["records"]) if results["records"] else []
+    text = write_report(results, out)
+    files = write_plots(results, out) if results["summary"] else []
+    return text + "\nwrote " + ", ".join(str(p) for p in [out / "tables.md", out / "results.json", *files])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+        from benchmarks.plots import write_plots
+        from benchmarks.report import write_report
+
+        text = write_report(results, out)
+        write_plots(results, out)
+        print(text)
+        return results
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    from benchmarks.bench_cluster import local_cluster, measure_rtt
+    from benchmarks.scenarios import make_scenario
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    num_prompts = max(args.batch_sizes + [args.num_prompts])
+    meta = {k: v for k, v in vars(args).items() if k != "from_json"}
+    meta.update(cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
+                started=time.strftime("%Y-%m-%d %H:%M:%S"))
+    results = {"meta": meta, "scenarios": [], "records": [], "skipped": []}
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    start = time.perf_counter()
+    try:
+        scenarios = []
+        for name in args.scenarios:
+            print(f"preparing scenario {name} ...", file=sys.stderr)
+            scenarios.append(make_scenario(name, args, num_prompts))
+            s = scenarios[-1]
+            results["scenarios"].append({"name": s.name, "target": s.target, "draft": s.draft, "sim": s.sim,
+                                         "time_scale": s.time_scale, "notes": s.notes,
+                                         "prompt_sources": s.sources, "systems": [vars(x) for x in s.systems]})
+        needs_ray = any(x.kind == "ray" for s in scenarios for x in s.systems)
+        total = sum(len(s.systems) * len(args.batch_sizes) * (1 + args.repeats) for s in scenarios)
+        with (local_cluster() if needs_ray else contextlib.nullcontext()) as cluster, \
+                tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+            if cluster is not None:
+                results["meta"]["bare_rtt"] = measure_rtt([0.0])
+            for s in scenarios:
+                bench_scenario(s, args, cluster.address if cluster is not None else None, bar, results)
+    except KeyboardInterrupt:
+        print("interrupted: Ray, the models and vLLM were shut down; writing what was measured", file=sys.stderr)
+        results["meta"]["interrupted"] = True
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        results["meta"]["wall_s"] = time.perf_counter() - start
+        print(finish(results, out))
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,261 @@
+"""Autoregressive drafting with a small causal LM, and its speculation cache (drafting ahead).
+
+On the critical path (``propose``): answer each sequence's block from the speculation cache
+when the verdict is one the drafter prepared for (a *hit*), else draft now (a *miss*,
+possibly continuing a partial hit). Off it (``prepare``, after the reply has left, while the
+target verifies; SSD/Saguaro's idea): one *glue* forward feeds the block just sent, then the
+likeliest verdicts (j drafts accepted then recovered token r; all accepted then bonus r) are
+drafted ahead as branches of a tree, one batched forward per depth, until the next request
+arrives or the tree is k deep. Draws are keyed by token position (``rng``), so a block
+drafted ahead equals the block drafted on demand: hits and misses never change output.
+Logits stay in the draft's own vocabulary width; the target aligns q rows to its own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .backends.base import ModelBackend
+from .draft import Branch, DraftSeq, Proposal
+from .rng import DRAFT_SAMPLE, uniforms
+from .sampling import processed_probs, sample_with_uniforms
+
+
+def _bucket(batch_size: int) -> int:
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class ModelDrafter:
+    """Autoregressive drafting with a small causal LM behind a ``ModelBackend``.
+
+    ``fanout`` > 0 turns on the speculation cache: up to ``fanout`` candidate tokens per
+    verdict position, at most ``max_branches`` branches per sequence (default (k+1) x fanout);
+    ``preempt`` stops drafting ahead when the next request arrives.
+    """
+
+    def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None,
+                 preempt: bool = True):
+        self.backend = backend
+        self.preempt = preempt  # stop drafting ahead when a request waits (else finish the tree)
+        self.send_probs = send_probs
+        self.fanout = fanout if hasattr(backend, "forward_branches") else 0
+        self.max_branches = max_branches
+        self.num_forwards = 0  # forwards of the last propose (critical path)
+        self.forward_s = 0.0  # and their time
+        self.step_times: dict[int, float] = {}  # batch bucket -> running estimate of one single-token forward
+        self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches
+
+    def open(self, seq: DraftSeq) -> None:
+        self.backend.add(seq.key)
+
+    def close(self, seq: DraftSeq) -> None:
+        self.backend.free(seq.key)
+
+    def rollback(self, seq: DraftSeq, num_tokens: int) -> None:
+        self.backend.truncate(seq.key, num_tokens)
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _choose(self, seqs: list[DraftSeq], logits: torch.Tensor, positions: list[int], want_cands: bool):
+        """One draft token per row at the given positions, plus (optionally) each row's candidates.
+
+        logits: [rows, vocab]. Greedy rows (and every row when probabilities are not sent:
+        a point mass must be deterministic) take the argmax; sampled rows draw from q with the
+        uniform keyed by (seed, position).
+        """
+        tokens = logits.argmax(dim=-1)
+        probs_out: list[np.ndarray | None] = [None] * len(seqs)
+        sampled = [i for i, s in enumerate(seqs) if not s.greedy and self.send_probs]
+        q = None
+        if sampled:
+            rows = torch.tensor(sampled)
+            q = processed_probs(logits[rows], [seqs[i].temperature for i in sampled], [seqs[i].top_k for i in sampled],
+                                [seqs[i].top_p for i in sampled])
+            u = uniforms([seqs[i].seed for i in sampled], DRAFT_SAMPLE, [positions[i] for i in sampled])
+            tokens[rows] = sample_with_uniforms(q, u)
+            # .cpu(): q rows cross the wire as numpy.
+            q_np = q.float().cpu().numpy()
+            for j, i in enumerate(sampled):
+                probs_out[i] = q_np[j]
+        cands = None
+        if want_cands and self.fanout:
+            score = torch.softmax(logits.float(), dim=-1)
+            if sampled:
+                score[torch.tensor(sampled)] = q.float()
+            top = torch.topk(score, min(self.fanout + 1, score.shape[-1]), dim=-1)
+            # .tolist(): candidates choose next round's branches on the host.
+            cands = list(zip(top.indices.tolist(), top.values.tolist()))
+        return tokens.tolist(), probs_out, cands
+
+    def _time(self, start: float, rows: int) -> None:
+        elapsed, bucket = time.perf_counter() - start, _bucket(rows)
+        old = self.step_times.get(bucket)
+        self.step_times[bucket] = elapsed if old is None else 0.9 * old + 0.1 * elapsed
+
+    def step_time(self, batch_size: int) -> float:
+        """One decode forward at this batch size: its bucket's estimate, else the nearest bucket's."""
+        if not self.step_times:
+            return 0.0
+        bucket = _bucket(batch_size)
+        nearest = min(self.step_times, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self.step_times.get(bucket, self.step_times[nearest])
+
+    @property
+    def step_time_s(self) -> float:
+        return self.step_time(1)
+
+    # -- critical path ------------------------------------------------------------------------
+    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
+        self.num_forwards, self.forward_s = 0, 0.0
+        out: list[Proposal | None] = [None] * len(seqs)
+        room = self.backend.max_model_len
+        work = []  # (index, prefix, k) of sequences that need drafting now
+        for i, (s, k) in enumerate(zip(seqs, ks)):
+            k = max(0, min(k, room - len(s.token_ids)))  # never draft past the draft model's own context
+            prefix: list[int] = []
+            branch = self._lookup(s)
+            if branch is not None and k:
+                prefix = branch.token_ids[:k]
+            s.block, s.block_base = [], len(s.token_ids)
+            s.block_probs, s.block_cands = [], []
+            s.cache = {}
+            if branch is not None and k:
+                s.block_cands = list(branch.cands[: len(prefix)])
+                s.block_probs = list(branch.probs[: len(prefix)])
+            if k and len(prefix) >= k:
+                s.block = prefix
+                out[i] = self._proposal(s, cache_hit=True)
+            elif k:
+                work.append((i, prefix, k))
+            else:
+                out[i] = Proposal([])
+        if work:
+            self._draft([seqs[i] for i, _, _ in work], [p for _, p, _ in work], [k for _, _, k in work])
+            for i, prefix, _ in work:
+                out[i] = self._proposal(seqs[i], cache_hit=bool(prefix))
+        return out  # type: ignore[return-value]
+
+    def _lookup(self, s: DraftSeq) -> Branch | None:
+        if s.verdict is None or not s.cache:
+            return None
+        base, accepted, token = s.verdict
+        return s.cache.get((accepted, token)) if base == s.block_base else None
+
+    def _proposal(self, s: DraftSeq, cache_hit: bool) -> Proposal:
+        probs = np.stack(s.block_probs) if s.block_probs and not s.greedy and self.send_probs else None
+        return Proposal(list(s.block), probs, cache_hit)
+
+    def _draft(self, seqs: list[DraftSeq], prefixes: list[list[int]], ks: list[int]) -> None:
+        """Draft until each sequence's block holds k tokens, starting from ``prefix`` (a partial hit)."""
+        feed = []
+        for s, prefix in zip(seqs, prefixes):
+            if s.num_fed >= len(s.token_ids):  # need the logits after the last committed token: re-feed it
+                s.num_fed = len(s.token_ids) - 1
+                self.backend.truncate(s.key, s.num_fed)
+            feed.append(s.token_ids[s.num_fed :] + prefix)
+            s.block = list(prefix)
+        active = list(range(len(seqs)))
+        while active:
+            # Long catch-up feeds (new or resynced sequences) go in their own forward so the
+            # common single-token rows are not padded to a prompt's width.
+            for group in ([i for i in active if len(feed[i]) > 2], [i for i in active if len(feed[i]) <= 2]):
+                if not group:
+                    continue
+                start = time.perf_counter()
+                logits = self.backend.forward([seqs[i].key for i in group], [feed[i] for i in group], [1] * len(group))
+                self.num_forwards += 1
+                self.forward_s += time.perf_counter() - start
+                if max(len(feed[i]) for i in group) <= 2:
+                    self._time(start, len(group))
+                group_seqs = [seqs[i] for i in group]
+                positions = [s.block_base + len(s.block) for s in group_seqs]
+                tokens, probs, cands = self._choose(group_seqs, logits[:, -1], positions, want_cands=True)
+                for row, i in enumerate(group):
+                    s = seqs[i]
+                    s.num_fed += len(feed[i])
+                    s.block.append(tokens[row])
+                    if probs[row] is not None:
+                        s.block_probs.append(probs[row])
+                    if cands is not None:
+                        s.block_cands.append(cands[row])
+                    feed[i] = [tokens[row]]
+            active = [i for i in active if len(seqs[i].block) < ks[i]]
+
+    # -- off the critical path -------------------------------------------------------------
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        """Per-position acceptance, from the verify results (chooses which branches to draft)."""
+        for pos in range(min(num_accepted + 1, num_draft)):
+            self.acceptance[pos] = 0.95 * self.acceptance[pos] + 0.05 * (1.0 if pos < num_accepted else 0.0)
+
+    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None:
+        """Glue forward over each block just sent, then the branch tree for its likeliest verdicts."""
+        if not self.preempt:
+            should_stop = lambda: False  # noqa: E731
+        seqs = [s for s in seqs if s.block and self.fanout]
+        if not seqs or should_stop():
+            return
+        feed = [s.token_ids[s.num_fed :] + s.block if s.num_fed < len(s.token_ids) else s.block[s.num_fed - len(s.token_ids) :]
+                for s in seqs]
+        logits = self.backend.forward([s.key for s in seqs], feed, [1] * len(seqs))
+        bonus_positions = [s.block_base + len(s.block) for s in seqs]
+        _, _, cands = self._choose(seqs, logits[:, -1], bonus_positions, want_cands=True)
+        for s, f, c in zip(seqs, feed, cands):
+            s.num_fed += len(f)
+            s.block_cands = s.block_cands[: len(s.block)] + [c]
+        roots = [self._roots(s) for s in seqs]
+        live = [i for i, r in enumerate(roots) if r]
+        if not live:
+            return
+        seqs, roots = [seqs[i] for i in live], [roots[i] for i in live]
+        lanes = max(len(r) for r in roots)
+        room = self.backend.max_model_len
+        depth_max = min(max(len(s.block) for s in seqs), min(room - s.block_base - len(s.block) - 1 for s in seqs))
+        branches = [[Branch([], [], []) for _ in r] for r in roots]
+        tokens = [[tok for _, tok in r] for r in roots]
+        prefix_lens = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]
+        for depth in range(depth_max):
+            if should_stop():
+                break
+            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, depth, lanes)
+            flat_seqs, flat_rows, positions = [], [], []
+            for i, s in enumerate(seqs):
+                for b in range(len(tokens[i])):
+                    flat_seqs.append(s)
+                    flat_rows.append((i, b))
+                    positions.append(prefix_lens[i][b] + depth + 1)
+            index = torch.tensor([i * lanes + b for i, b in flat_rows])
+            picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True)
+            for n, (i, b) in enumerate(flat_rows):
+                br = branches[i][b]
+                br.token_ids.append(picked[n])
+                if probs[n] is not None:
+                    br.probs.append(probs[n])
+                if cands is not None:
+                    br.cands.append(cands[n])
+                tokens[i][b] = picked[n]
+        for s, r, bs in zip(seqs, roots, branches):
+            s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+
+    def _roots(self, s: DraftSeq) -> list[tuple[int, int]]:
+        """The likeliest verdicts (num_accepted j, token) of the block just sent, best first."""
+        k = len(s.block)
+        scored = []
+        reach = 1.0  # P(the first j drafts are accepted)
+        for j in range(k + 1):
+            if j >= len(s.block_cands):
+                break
+            tokens, q = s.block_cands[j]
+            if j < k:
+                p_outcome = reach * (1.0 - self.acceptance[j])
+                own = s.block[j]
+                rest = max(1e-9, 1.0 - sum(p for t, p in zip(tokens, q) if t == own))  # q mass of the other tokens
+                scored += [(p_outcome * p / rest, j, t) for t, p in zip(tokens, q) if t != own][: self.fanout]
+                reach *= self.acceptance[j]
+            else:
+                scored += [(reach * p, j, t) for t, p in zip(tokens, q)][: self.fanout]
+        scored.sort(key=lambda x: -x[0])
+        limit = self.max_branches if self.max_branches is not None else (k + 1) * self.fanout
+        return [(j, t) for _, j, t in scored[:limit]]

@@ -1,0 +1,130 @@
+"""The FastAPI app under the router: OpenAI's error envelope everywhere, and what OpenAPI says.
+
+Every error this server sends is ``{"error": {"message", "type", "param", "code"}}``:
+validation errors become 400 (not FastAPI's 422), unknown paths 404, anything unexpected a
+500 without internals. The OpenAPI document lists exactly the statuses the routes return.
+Also the small helpers the router needs (usage, dead-replica detection, bounded chunk reads).
+"""
+# No `from __future__ import annotations` here or in router.py: Serve's ingress reads the
+# endpoints' real annotations.
+
+import asyncio
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .edge import EdgeMiddleware, error_body
+from .protocol import ErrorResponse
+
+logger = logging.getLogger("specserve.serve")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
+
+
+class DeadTarget(Exception):
+    """The target replica died before this request produced output."""
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", code="service_unavailable", headers={"Retry-After": "2"})
+
+
+_ERRORS = {
+    400: "Invalid request: malformed JSON, a field of the wrong type or out of range, an unsupported field.",
+    401: "Missing or invalid API key.",
+    404: "Unknown model or path.",
+    413: "Request body too large.",
+    429: "Too many requests in flight; retry after the Retry-After seconds.",
+    503: "No target replica is available (starting or restarting); retry after the Retry-After seconds.",
+}
+ERROR_RESPONSES = {code: {"model": ErrorResponse, "description": text} for code, text in _ERRORS.items()}
+
+fastapi_app = FastAPI(title="specserve",
+                      description="OpenAI-compatible speculative decoding; the draft and the target run on different machines.")
+fastapi_app.add_middleware(EdgeMiddleware)
+
+
+def _openapi():
+    """FastAPI documents 422 for bodies; this server answers 400 in OpenAI's envelope instead."""
+    if fastapi_app.openapi_schema:
+        return fastapi_app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=fastapi_app.title, version="1", description=fastapi_app.description, routes=fastapi_app.routes)
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    fastapi_app.openapi_schema = schema
+    return schema
+
+
+fastapi_app.openapi = _openapi
+
+
+@fastapi_app.exception_handler(APIError)
+async def _api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", []) if x != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        msg = "request body is not valid JSON"
+    elif kind == "extra_forbidden":
+        msg = f"unsupported field: {param}"
+    elif kind == "model_attributes_type" or (kind.endswith("_type") and not loc):
+        msg = "request body must be a JSON object"
+    else:
+        msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}".replace("Value error, ", "")
+    return APIError(400, msg[:500], param=param).response()
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type_).response()
+
+
+@fastapi_app.exception_handler(Exception)
+async def _internal_error(request: Request, exc: Exception):
+    logger.exception("unexpected error serving %s", request.url.path)
+    return APIError(500, "internal error; the server logs have the details", "server_error").response()
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def is_dead_replica(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or \
+        type(exc).__name__ in ("DeploymentUnavailableError", "ActorDiedError")
+
+
+async def next_chunk(gen, deadline: float) -> dict:
+    """The target's next chunk, bounded by the request's deadline (every await on an actor has a bound)."""
+    try:
+        return await asyncio.wait_for(gen.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise TimeoutError("the request exceeded request_timeout_s") from None

@@ -1,0 +1,313 @@
+"""The HTTP router (Serve ingress): OpenAI's API over the Target deployment, owning no model.
+
+Data flow: HTTP -> ``EdgeMiddleware`` (key, size, admission: before the body is read) ->
+pydantic validation (400 in OpenAI's envelope) -> tokens (a thread, off the event loop;
+chat template for chat; the tokenizer comes from a target replica, so the router needs no
+model files) -> the least-loaded ``Target`` replica (Serve's handle) -> SSE chunks or one
+JSON body. Replicas announce themselves to the ``Registry``; the router reads liveness
+there (no live target: 503 at once), health and aggregated metrics. A stream's first chunk
+is awaited before the 200 is sent, so streaming and non-streaming requests fail the same
+way; later failures travel in-band, without internals.
+"""
+# No `from __future__ import annotations` here: Serve's ingress reads the endpoints' real annotations.
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+
+from ..config import SpecserveConfig
+from ..outputs import RequestOutput, StepDelta
+from .edge import EdgeLimits, error_body
+from .http import ERROR_RESPONSES, APIError, DeadTarget, is_dead_replica, next_chunk, usage_body, fastapi_app, unavailable
+from .metrics import prometheus_text
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("specserve.serve")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+REGISTRY_POLL_S = 0.25
+
+
+# Everything the router uses is imported or defined above it: serve.ingress snapshots the
+# module's names when the class is decorated, so a function defined further down is missing
+# in the replica.
+@serve.ingress(fastapi_app)
+class Router:
+    def __init__(self, config: dict, target, registry):
+        self.cfg = SpecserveConfig.load(config)
+        server = self.cfg.server
+        key = server.api_key
+        if key is None and server.api_key_file:
+            key = Path(server.api_key_file).read_text().strip()
+        self.edge = EdgeLimits(key, server.open_metrics, server.max_pending_requests, server.max_request_bytes)
+        fastapi_app.state.edge_limits = self.edge
+        self.model_name = self.cfg.model_name
+        self.target = target
+        self.registry = registry
+        self.snapshot: dict = {"draft": {}, "target": {}}
+        self.snapshot_at = 0.0
+        self.last_target_ok = 0.0
+        self.info: dict | None = None
+        self.tokenizer = None
+        self._info_lock = asyncio.Lock()
+        self._poller: asyncio.Task | None = None
+        self.created = int(time.time())
+        asyncio.get_running_loop().call_soon(self._ensure_poller)  # Serve builds replicas on their loop: watch (and say "ready") at once
+
+    # -- the registry ---------------------------------------------------------------------------
+    async def _poll_registry(self) -> None:
+        announced = False
+        while True:
+            try:
+                self.snapshot = await asyncio.wait_for(self.registry.snapshot.remote(), timeout=2)
+                self.snapshot_at = time.monotonic()
+            except Exception as exc:  # the registry restarts: keep the last snapshot, say it is stale
+                logger.debug("registry poll failed: %s", exc)
+            targets, drafts = len(self.snapshot["target"]), len(self.snapshot["draft"])
+            connected = all(t.get("draft_up") for t in self.snapshot["target"].values())
+            if not announced and targets and (not self.cfg.speculative or (drafts and connected)):
+                announced = True  # `serve run` forwards this line: it says when to connect
+                logger.warning("ready: model id %r, %d target and %d draft replica(s) up", self.model_name, targets, drafts)
+            await asyncio.sleep(REGISTRY_POLL_S)
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_registry())
+
+    def targets_alive(self) -> bool:
+        fresh = time.monotonic() - self.snapshot_at < 3.0
+        return bool(self.snapshot["target"]) or not fresh or time.monotonic() - self.last_target_ok < 1.0
+
+    async def _ready(self) -> None:
+        """Target info and tokenizer, fetched once from a target replica (no model files here)."""
+        self._ensure_poller()
+        if self.info is not None:
+            if not self.targets_alive():
+                raise unavailable("no target replica is available (it is restarting); retry shortly")
+            return
+        async with self._info_lock:
+            if self.info is not None:
+                return
+            try:
+                info = await asyncio.wait_for(self.target.ready.remote(), timeout=10)
+                files = await asyncio.wait_for(self.target.tokenizer_files.remote(), timeout=30)
+            except Exception as exc:
+                logger.warning("target not ready: %s", exc)
+                raise unavailable("the target is not ready yet; retry shortly") from None
+            from ..distributed.client import load_tokenizer_from_files
+
+            self.tokenizer = await asyncio.to_thread(load_tokenizer_from_files, files)
+            self.info = info
+            self.last_target_ok = time.monotonic()
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: the router is healthy when its event loop runs."""
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    async def _tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+        vocab = self.info["vocab"]["vocab_size"]
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {vocab}), got {bad[:3]}", param="prompt")
+        return list(prompt)
+
+    def _check_lengths(self, token_ids: list[int], max_tokens: int) -> None:
+        limit = self.info["max_model_len"]
+        if len(token_ids) >= limit or len(token_ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(token_ids) + max_tokens} tokens ({len(token_ids)} in the prompt, {max_tokens} for the completion).",
+                param="max_tokens" if len(token_ids) < limit else "prompt", code="context_length_exceeded",
+            )
+
+    def _params(self, body, default_max_tokens: int, token_ids: list[int]):
+        try:
+            params = body.sampling_params(default_max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        self._check_lengths(token_ids, params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
+        return params
+
+    # -- endpoints --------------------------------------------------------------------------------
+    @fastapi_app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
+    async def models(self):
+        self._ensure_poller()
+        limit = self.info["max_model_len"] if self.info else None
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "specserve", "max_model_len": limit}]}
+
+    @fastapi_app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        await self._ready()
+        token_ids = await self._tokens(body.prompt)
+        params = self._params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, token_ids)
+        return await self._run("cmpl", False, token_ids, params, body)
+
+    @fastapi_app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        await self._ready()
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+
+        def render():
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+        try:
+            token_ids = await asyncio.to_thread(render)
+        except Exception as exc:  # a template that cannot render these messages is the request's fault
+            raise APIError(400, f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
+        params = self._params(body, max(1, self.info["max_model_len"] - len(token_ids)), token_ids)
+        return await self._run("chatcmpl", True, token_ids, params, body)
+
+    @fastapi_app.get("/health")
+    async def health(self):
+        self._ensure_poller()
+        if time.monotonic() - self.snapshot_at > 1.0:  # stale or never fetched: one quick refresh
+            try:
+                self.snapshot = await asyncio.wait_for(self.registry.snapshot.remote(), timeout=1.0)
+                self.snapshot_at = time.monotonic()
+            except Exception:  # answer from what we have, and say how old it is
+                pass
+        age = time.monotonic() - self.snapshot_at if self.snapshot_at else None
+        targets, drafts = self.snapshot["target"], self.snapshot["draft"]
+        body = {"targets": len(targets), "drafts": len(drafts), "registry_age_s": None if age is None else round(age, 2)}
+        if not targets:
+            return JSONResponse({"status": "unavailable", **body, "detail": "no target replica is alive"}, status_code=503)
+        speculative = self.cfg.speculative
+        degraded = speculative and (not drafts or any(not t.get("draft_up") for t in targets.values()))
+        return {"status": "degraded" if degraded else "ok", **body,
+                "draft": "none" if not speculative else ("up" if not degraded else "down"),
+                "num_running": sum(t.get("num_running", 0) for t in targets.values())}
+
+    @fastapi_app.get("/metrics")
+    async def metrics(self):
+        self._ensure_poller()
+        age = time.monotonic() - self.snapshot_at if self.snapshot_at else -1.0
+        return PlainTextResponse(prometheus_text(self.snapshot, self.model_name, self.edge, age),
+                                 media_type="text/plain; version=0.0.4")
+
+    # -- generation -------------------------------------------------------------------------------
+    async def _start(self, rid: str, token_ids, params, deadline: float):
+        """Open the target stream and wait for its first chunk: errors before any output are HTTP errors."""
+        gen = self.target.options(stream=True).stream.remote(rid, list(token_ids), params.to_dict())
+        first = asyncio.ensure_future(gen.__anext__())
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=0.1)
+            if done:
+                break
+            if not self.targets_alive() or time.monotonic() > deadline:
+                first.cancel()
+                gen.cancel()
+                if time.monotonic() > deadline:
+                    raise unavailable(f"request {rid} got no output within {self.cfg.server.request_timeout_s:g}s; retry later")
+                raise unavailable("no target replica is available (it is restarting); retry shortly")
+        try:
+            chunk = first.result()
+        except StopAsyncIteration:
+            raise APIError(500, f"the target ended request {rid} without output", "server_error") from None
+        except ValueError as exc:  # the target's own validation: the request's fault
+            raise APIError(400, str(exc).split("\n")[-1][:500]) from None
+        except Exception as exc:
+            if is_dead_replica(exc):
+                raise DeadTarget() from None
+            logger.exception("request %s failed before its first token", rid)
+            raise APIError(500, f"generation failed (request {rid}); the server logs have the details", "server_error") from None
+        self.last_target_ok = time.monotonic()
+        return gen, StepDelta.from_dict(chunk), chunk.get("source")
+
+    async def _run(self, prefix: str, chat: bool, token_ids, params, body):
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        deadline = time.monotonic() + self.cfg.server.request_timeout_s
+        for attempt in range(3):  # a target replica that died before any output: safe to ask another
+            try:
+                gen, first, source = await self._start(f"{rid}-{attempt}" if attempt else rid, token_ids, params, deadline)
+                break
+            except DeadTarget:
+                if attempt == 2 or not self.targets_alive():
+                    raise unavailable("the target replica failed; retry shortly") from None
+                await asyncio.sleep(0.2)
+        if body.stream:
+            return StreamingResponse(self._sse(rid, chat, gen, first, token_ids, body.include_usage, deadline),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        out = RequestOutput(rid, None, token_ids)
+        out.add(first)
+        try:
+            while not out.finished:
+                out.add(StepDelta.from_dict(await next_chunk(gen, deadline)))
+        except Exception as exc:
+            logger.exception("request %s failed", rid)
+            if is_dead_replica(exc):
+                raise unavailable(f"the target replica serving request {rid} failed; retry") from None
+            raise APIError(500, f"generation failed (request {rid}); the server logs have the details", "server_error") from None
+        finally:
+            gen.cancel()
+        choice = {"index": 0, "finish_reason": out.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice.update(text=out.text, logprobs=None)
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [choice], "usage": usage_body(len(token_ids), len(out.token_ids)),
+            "specserve": {**out.metrics.to_dict(), "target": source},
+        }
+
+    async def _sse(self, rid, chat, gen, first: StepDelta, token_ids, include_usage, deadline: float):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created, out = int(time.time()), RequestOutput(rid, None, token_ids)
+
+        def chunk(text: str | None, finish, first_chunk=False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+            if finish is not None:
+                body["specserve"] = out.metrics.to_dict()
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if chat:
+                yield chunk("", None, first_chunk=True)
+            d = first
+            while True:
+                out.add(d)
+                if d.text or d.finished:
+                    yield chunk(d.text, d.finish_reason if d.finished else None)
+                if d.finished:
+                    break
+                d = StepDelta.from_dict(await next_chunk(gen, deadline))
+            if include_usage:
+                usage = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                         "usage": usage_body(len(token_ids), len(out.token_ids))}
+                yield f"data: {json.dumps(usage)}\n\n"
+        except Exception as exc:  # after the stream started, errors travel in-band, without internals
+            logger.exception("stream %s failed", rid)
+            message = (f"the target replica serving request {rid} failed; retry" if is_dead_replica(exc)
+                       else f"generation failed (request {rid}); the server logs have the details")
+            yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
+        finally:
+            gen.cancel()
+        yield "data: [DONE]\n\n"
