@@ -9,19 +9,21 @@ two-node Ray cluster labelled target / draft, one torch thread per process):
   transformers draft on the draft node, over TCP.
 - ``specserve vllm+vllm``: the same with a vLLM draft (``VLLMDrafter``).
 
-Batch 1 runs the prompts one after another, batch 8 all at once. Printed per row: tokens/s,
+Batch 1 runs the prompts one after another, batch 8 all at once, ``--repeats`` times each
+(median and min-max). Printed per row: tokens/s,
 acceptance rate, mean acceptance length, ratio to ``vllm+draft_model``, and whether the output
 equals ``vllm``'s token for token; for the vLLM draft, how much of each proposal's context
 it recomputed (prefix caching keeps full KV blocks only). JSON with ``--json``. Timings on a
-shared 2-core CPU are noisy (+-25% between repeats): read the ratios, not the digits.
+shared 2-core CPU are noisy: read the ratios, not the digits.
 
-    python -m benchmarks.bench_vllm [--max-tokens 128] [--k 4] [--compiled] [--json out.json]
+    python -m benchmarks.bench_vllm [--max-tokens 128] [--k 4] [--repeats 3] [--compiled] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 from .bench_cluster import ROLE, local_cluster
@@ -52,7 +54,7 @@ class PlainVLLM:
         return {"token_ids": [list(o.outputs[0].token_ids) for o in outs], "spec": {k: after[k] - before.get(k, 0) for k in after}}
 
 
-def run_plain(kwargs: dict, prompts, max_tokens: int, warmup) -> dict:
+def run_plain(kwargs: dict, prompts, max_tokens: int, warmup, repeats: int = 3) -> dict:
     import ray
 
     actor = ray.remote(PlainVLLM).options(num_cpus=0.5, label_selector={ROLE: "target"}).remote(**kwargs)
@@ -60,15 +62,18 @@ def run_plain(kwargs: dict, prompts, max_tokens: int, warmup) -> dict:
         ray.get(actor.generate.remote(warmup, 8))
         rows = {}
         for batch in (1, 8):
-            start, token_ids, spec = time.perf_counter(), [], {}
-            for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
-                r = ray.get(actor.generate.remote(group, max_tokens))
-                token_ids += r["token_ids"]
-                spec = {k: spec.get(k, 0) + v for k, v in r["spec"].items()}
-            wall = time.perf_counter() - start
+            walls = []
+            for _ in range(repeats):
+                start, token_ids, spec = time.perf_counter(), [], {}
+                for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
+                    r = ray.get(actor.generate.remote(group, max_tokens))
+                    token_ids += r["token_ids"]
+                    spec = {k: spec.get(k, 0) + v for k, v in r["spec"].items()}
+                walls.append(time.perf_counter() - start)
+            wall = statistics.median(walls)
             drafted, accepted = spec.get("vllm:spec_decode_num_draft_tokens", 0), spec.get("vllm:spec_decode_num_accepted_tokens", 0)
             drafts = spec.get("vllm:spec_decode_num_drafts", 0)
-            rows[batch] = {"wall_s": wall, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
+            rows[batch] = {"wall_s": wall, "walls": walls, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
                            "acceptance_rate": accepted / drafted if drafted else None,
                            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
         return rows
@@ -76,7 +81,7 @@ def run_plain(kwargs: dict, prompts, max_tokens: int, warmup) -> dict:
         ray.kill(actor)
 
 
-def run_specserve(draft_backend: str, options: dict, prompts, max_tokens: int, k: int, warmup) -> dict:
+def run_specserve(draft_backend: str, options: dict, prompts, max_tokens: int, k: int, warmup, repeats: int = 3) -> dict:
     import ray
 
     from specserve import LLM, SamplingParams
@@ -90,14 +95,17 @@ def run_specserve(draft_backend: str, options: dict, prompts, max_tokens: int, k
         llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         rows = {}
         for batch in (1, 8):
-            start, outs = time.perf_counter(), []
-            for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
-                outs += llm.generate(group, params, use_tqdm=False)
-            wall = time.perf_counter() - start
+            walls = []
+            for _ in range(repeats):
+                start, outs = time.perf_counter(), []
+                for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
+                    outs += llm.generate(group, params, use_tqdm=False)
+                walls.append(time.perf_counter() - start)
+            wall = statistics.median(walls)
             drafted = sum(o.metrics.num_draft_tokens for o in outs)
             accepted = sum(o.metrics.num_accepted_tokens for o in outs)
             drafts = sum(o.metrics.num_drafts for o in outs)
-            rows[batch] = {"wall_s": wall, "tokens": sum(len(o.token_ids) for o in outs), "token_ids": [o.token_ids for o in outs],
+            rows[batch] = {"wall_s": wall, "walls": walls, "tokens": sum(len(o.token_ids) for o in outs), "token_ids": [o.token_ids for o in outs],
                            "acceptance_rate": accepted / drafted if drafted else None,
                            "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
         if draft_backend == "vllm":  # how much context each proposal recomputed (the rest came from the prefix cache)
@@ -115,6 +123,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row; the table shows the median")
     p.add_argument("--compiled", action="store_true", help="torch.compile in every engine (default: eager, fast starts)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -128,11 +137,11 @@ def main(argv=None) -> dict:
     plain = {"model": target, "dtype": "float32", "seed": 0, "max_model_len": 512, "disable_log_stats": False, **options}
     results = {}
     with local_cluster():
-        results["vllm"] = run_plain(plain, prompts, args.max_tokens, warmup)
+        results["vllm"] = run_plain(plain, prompts, args.max_tokens, warmup, args.repeats)
         results["vllm+draft_model"] = run_plain({**plain, "speculative_config": {
-            "method": "draft_model", "model": draft, "num_speculative_tokens": args.k}}, prompts, args.max_tokens, warmup)
-        results["specserve vllm+hf"] = run_specserve("hf", options, prompts, args.max_tokens, args.k, warmup)
-        results["specserve vllm+vllm"] = run_specserve("vllm", options, prompts, args.max_tokens, args.k, warmup)
+            "method": "draft_model", "model": draft, "num_speculative_tokens": args.k}}, prompts, args.max_tokens, warmup, args.repeats)
+        results["specserve vllm+hf"] = run_specserve("hf", options, prompts, args.max_tokens, args.k, warmup, args.repeats)
+        results["specserve vllm+vllm"] = run_specserve("vllm", options, prompts, args.max_tokens, args.k, warmup, args.repeats)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:
@@ -142,7 +151,7 @@ def main(argv=None) -> dict:
 
 def table(results: dict) -> str:
     base = results["vllm+draft_model"]
-    lines = ["| configuration | batch | tok/s | acceptance | mean acc. len | vs vllm+draft_model | exact |", "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | batch | tok/s (median) | min-max | acceptance | mean acc. len | vs vllm+draft_model | exact |", "|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         for batch in (1, 8):
             r = rows[batch]
@@ -151,12 +160,13 @@ def table(results: dict) -> str:
             acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
             mal = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
             exact = r["token_ids"] == results["vllm"][batch]["token_ids"]
-            lines.append(f"| {name} | {batch} | {tps:.0f} | {acc} | {mal} | {ratio:.2f}x | {exact} |")
+            spread = "-".join(f"{r['tokens'] / w:.0f}" for w in (max(r["walls"]), min(r["walls"])))
+            lines.append(f"| {name} | {batch} | {tps:.0f} | {spread} | {acc} | {mal} | {ratio:.2f}x | {exact} |")
     rc = results.get("specserve vllm+vllm", {}).get("draft_recompute")
     if rc:
         lines.append(f"\nvLLM draft: {rc['num_recomputed_tokens']} of {rc['num_context_tokens']} context tokens recomputed "
                      f"({rc['recomputed_fraction']:.0%}), about {rc['recomputed_per_proposal']:.1f} per proposal of k tokens")
-    lines.append("(shared 2-core CPU, one measurement per row: +-25% noise)")
+    lines.append("(shared 2-core CPU; medians of --repeats runs, each engine alone on the machine while measured)")
     return "\n".join(lines)
 
 

@@ -48,7 +48,34 @@ TIMING_KEYS = ("wall_s", "target_forward_s", "prefill_s", "draft_wait_s", "draft
                "draft_forward_s", "draft_hidden_s")
 
 
-class EngineCore:
+class RequestQueue:
+    """What every engine core shares: requests wait in ``waiting`` until a step admits them into
+    ``target.seqs`` (specserve's ``EngineCore`` and the vLLM one, ``vllm/target.py``)."""
+
+    waiting: deque
+    target: object  # has .seqs (request id -> state) and .num_seqs
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.waiting.append((request_id, list(prompt_token_ids), params))
+
+    def _drop_waiting(self, request_id: str) -> bool:
+        for i, w in enumerate(self.waiting):
+            if w[0] == request_id:
+                del self.waiting[i]
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.target.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return self.target.num_seqs
+
+
+class EngineCore(RequestQueue):
     def __init__(self, target: TargetSide, pool: DraftPool | None, controller: SpeculationController,
                  max_num_seqs: int = 256):
         if max_num_seqs < 1:
@@ -68,18 +95,9 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.target.validate(prompt_token_ids, params)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
-            raise ValueError(f"request_id {request_id!r} is already running")
-        self.waiting.append((request_id, list(prompt_token_ids), params))
-
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; frees its state on both sides. True if it existed."""
-        for i, w in enumerate(self.waiting):
-            if w[0] == request_id:
-                del self.waiting[i]
-                return True
-        return self._close(request_id)
+        return self._drop_waiting(request_id) or self._close(request_id)
 
     def _close(self, request_id: str) -> bool:
         if request_id not in self.target.seqs:
@@ -96,13 +114,6 @@ class EngineCore:
             return None
         p = s.params
         return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.target.seqs)
-
-    @property
-    def num_running(self) -> int:
-        return self.target.num_seqs
 
     # -- one step -----------------------------------------------------------------------------
     def _admit(self, failed: dict[str, Exception]) -> None:

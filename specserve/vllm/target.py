@@ -18,7 +18,7 @@ import os
 import time
 from collections import deque
 
-from ..engine import EngineLoop, StepResult
+from ..engine import EngineLoop, RequestQueue, StepResult
 from ..models import load_tokenizer, vocab_fingerprint
 from ..outputs import SpecMetrics, StepDelta
 from ..stopping import StopChecker
@@ -47,7 +47,7 @@ class VLLMTarget:
         return len(self.seqs)
 
 
-class VLLMEngineCore:
+class VLLMEngineCore(RequestQueue):
     def __init__(self, cfg, link=None):
         require_vllm()
         from vllm import LLM
@@ -98,27 +98,13 @@ class VLLMEngineCore:
             raise ValueError(f"prompt token ids must be integers in [0, {t.vocab_size}), got {bad[:5]}")
         StopChecker(params, set(), t.tokenizer, len(prompt_token_ids), t.max_model_len)  # stop strings need a tokenizer
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params) -> None:
-        if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
-            raise ValueError(f"request_id {request_id!r} is already running")
-        self.waiting.append((request_id, list(prompt_token_ids), params))
-
     def abort(self, request_id: str) -> bool:
-        for i, w in enumerate(self.waiting):
-            if w[0] == request_id:
-                del self.waiting[i]
-                return True
+        if self._drop_waiting(request_id):
+            return True
         if self.target.seqs.pop(request_id, None) is None:
             return False
         self.engine.abort_request([request_id])  # vLLM frees it; the proposer's hook closes it on the draft
         return True
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.target.seqs)
-
-    @property
-    def num_running(self) -> int:
-        return self.target.num_seqs
 
     def idle(self) -> None:
         """Nothing to step: refresh vLLM's counters, and close on the draft whatever finished last
