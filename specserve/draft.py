@@ -79,6 +79,12 @@ class Drafter(Protocol):
 
     def rollback(self, seq: DraftSeq, num_tokens: int) -> None: ...
 
+    def step_time(self, batch_size: int) -> float: ...  # one forward at this batch size (hidden time, controller)
+
+    num_forwards: int  # forwards of the last propose (the critical path) ...
+    forward_s: float  # ... and their time
+    step_time_s: float  # step_time(1), for metrics
+
 
 class NgramDrafter:
     """Prompt lookup; proposals are deterministic, so only token ids cross the wire."""

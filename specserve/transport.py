@@ -16,6 +16,7 @@ applied in both directions). Knows nothing of Ray or models; every failure surfa
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import logging
 import selectors
@@ -221,6 +222,22 @@ class LocalEndpoint:
         self.service.drop(self.conn)
 
 
+def _listen(host: str, port: int, wait_s: float = 15.0) -> socket.socket:
+    """A listening socket. A fixed port still held by a draft that is being replaced (a killed
+    replica's process can outlive the kill by seconds) is waited for, then named in the error."""
+    deadline = time.monotonic() + (wait_s if port else 0.0)
+    while True:
+        try:
+            return socket.create_server((host, port), reuse_port=False)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(exc.errno, f"draft_port {port} on {host} stayed in use for {wait_s:g}s "
+                                             "(another draft or program holds it): pick another port, or 0 for any") from None
+                raise
+            time.sleep(0.2)
+
+
 class DraftServer:
     """TCP front of a ``DraftService``: one thread accepts, answers, then drafts ahead."""
 
@@ -229,7 +246,7 @@ class DraftServer:
         self.service = service
         self.link_factory = link_factory  # (group name) -> TensorLink of rank 1; None: refuse tensor links
         self.links: dict[socket.socket, TensorLink] = {}
-        self.listener = socket.create_server((host, port), reuse_port=False)
+        self.listener = _listen(host, port)
         self.listener.setblocking(False)
         bound_port = self.listener.getsockname()[1]
         self.address = f"{advertise_host or _routable_ip()}:{bound_port}"

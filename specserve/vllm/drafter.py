@@ -66,6 +66,10 @@ class VLLMDrafter:
         self.step_time_s = 0.0  # running estimate of one engine step
         self.counters = {"num_proposals": 0, "num_context_tokens": 0, "num_recomputed_tokens": 0, "num_draft_tokens": 0}
 
+    def step_time(self, batch_size: int) -> float:
+        """One engine step (vLLM batches all sequences in one step; one estimate for every size)."""
+        return self.step_time_s
+
     @classmethod
     def from_config(cls, cfg) -> "VLLMDrafter":
         return cls(VLLMDraftEngine(cfg.draft))
