@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 class DraftService:
     def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None, ahead: bool | str = True):
         """``ahead``: draft ahead (when the drafter can): True, False, or "auto": not for a target on
-        this same machine while the draft runs on its CPU (they would share cores)."""
+        this same machine while the draft runs on its CPU (they would share cores; the simulator's
+        drafts model a device of their own, so they do draft ahead)."""
         self.drafter = drafter
         self.ahead = ahead
         self.no_ahead: set[str] = set()  # connections that do not get drafting ahead
@@ -57,7 +58,8 @@ class DraftService:
             self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
             shares_cores = msg.info.get("in_process") or (
                 msg.info.get("ip") is not None and msg.info.get("ip") == self.info.get("ip")
-                and str(self.info.get("device", "cpu")).startswith("cpu"))
+                and str(self.info.get("device", "cpu")).startswith("cpu")
+                and self.info.get("backend") != "sim")  # a simulated draft models a device of its own
             if self.ahead is False or (self.ahead == "auto" and shares_cores):
                 self.no_ahead.add(conn)
             else:

@@ -95,3 +95,21 @@ def test_apply_is_constant_time_in_the_context_length(tiny_pair):
     CountingList.copies = 0
     side.apply(seq, VerifyResult("r", 200, 2, seq.block[:2] + [7]))
     assert CountingList.copies == 0 and len(seq.token_ids) == 203
+
+
+@pytest.mark.parametrize("target_info, draft_info, ahead", [
+    ({"in_process": True}, {"ip": "10.0.0.1", "device": "cpu"}, False),  # one process: shared cores
+    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.1", "device": "cpu"}, False),  # one host's CPU
+    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.2", "device": "cpu"}, True),  # another host
+    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.1", "device": "cuda"}, True),  # the draft on a GPU
+    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.1", "device": "cpu", "backend": "sim"}, True),  # a modelled device
+])
+def test_auto_drafting_ahead_is_off_only_where_the_sides_share_cores(target_info, draft_info, ahead):
+    from specserve.draft import NgramDrafter
+    from specserve.draft_service import DraftService
+    from specserve.messages import Hello
+
+    service = DraftService(NgramDrafter(), None, "d0", draft_info, ahead="auto")  # n-gram: no vocabulary to match
+    reply = service.hello("c0", Hello("t0", {"tokenizer_sha": None, "vocab_size": 8}, target_info))
+    assert reply.error is None
+    assert ("c0" not in service.no_ahead) is ahead
