@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the two-node Ray systems")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers assisted generation")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM")
-    p.add_argument("--vllm-python", default=default_vllm_python(), help="a Python with vLLM [env SPECSERVE_VLLM_PYTHON, /work/venv-vllm]")
+    p.add_argument("--vllm-python", default=default_vllm_python(), help="a Python with vLLM [env SPECSERVE_VLLM_PYTHON, /work/venv-vllm, or this one if it has vLLM]")
     p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, help="vLLM without torch.compile [quick: yes, full: no]")
     p.add_argument("--vllm-max-model-len", type=int, default=512, help="vLLM max_model_len [512, the demo pair's context]")
     p.add_argument("--out", default="bench_out", help="folder for tables.md, results.json, the plots [bench_out]")

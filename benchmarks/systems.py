@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -157,10 +158,14 @@ class HFRunner:
 
 
 def default_vllm_python() -> str | None:
+    """$SPECSERVE_VLLM_PYTHON, else a vLLM venv at /work/venv-vllm, else this Python if it has vLLM
+    (the README's test install); the worker runs in a process of its own either way."""
     for candidate in (os.environ.get("SPECSERVE_VLLM_PYTHON"), "/work/venv-vllm/bin/python"):
         if candidate and Path(candidate).exists():
             return candidate
-    return None
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
 class VLLMRunner:
