@@ -1,10 +1,16 @@
-"""A local two-node Ray cluster (target / draft labels) and a probe of the bare round trip between them.
+"""A local two-node Ray cluster (target / draft labels) that emulates two devices, and a round-trip probe.
 
 ``local_cluster()`` starts ``ray.cluster_utils.Cluster`` with one node labelled
 ``specserve.io/role=target`` (the head; the driver runs here) and one labelled ``draft``,
 gives every actor one torch/OpenMP thread, and always tears both nodes down, also on Ctrl-C
-or SIGTERM. ``measure_rtt()`` times an actor on the target node calling one on the draft
-node, with an emulated one-way delay slept in each direction. Knows nothing of models.
+or SIGTERM. With ``two_device`` (the default on machines with >= 2 cores) each node is a
+device of its own: its raylet is started while this process is pinned to that node's core
+set (``os.sched_setaffinity``), so every worker it spawns inherits the set, and the driver
+then stays on the target's cores, so whatever runs in it or starts from it (in-process and
+colocated peers, vLLM subprocesses) is confined to the target's box. The nodes still share
+memory bandwidth, which two real devices would not. ``measure_rtt()`` times an actor on the
+target node calling one on the draft node, with an emulated one-way delay slept in each
+direction. Knows nothing of models.
 
     python -m benchmarks.bench_cluster --delays-ms 0,1,5     # bare round trips, two local nodes
 """
@@ -13,13 +19,39 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import statistics
 import threading
 import time
 
 ROLE = "specserve.io/role"
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# One thread per process; vLLM's CPU build must not re-bind OpenMP threads outside the inherited core set.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def split_cores(cpus: set[int] | None = None) -> tuple[set[int], set[int]] | None:
+    """(target cores, draft cores): this process's cores in two disjoint halves; None with < 2 cores."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = (len(cpus) + 1) // 2  # an odd core goes to the target, the bigger box
+    return set(cpus[:half]), set(cpus[half:])
+
+
+@contextlib.contextmanager
+def pinned(cpus: set[int] | None):
+    """Run the block (and every process it starts) on ``cpus``; the previous set is restored after."""
+    if cpus is None:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
 
 
 def _raise_interrupt(signum, frame):
@@ -27,19 +59,33 @@ def _raise_interrupt(signum, frame):
 
 
 @contextlib.contextmanager
-def local_cluster(num_cpus_per_node: float = 8):
-    """Yield a connected two-node cluster (logical CPUs: fractional sides fit many systems at once)."""
+def local_cluster(num_cpus_per_node: float = 8, two_device: bool | None = None):
+    """Yield a connected two-node cluster (logical CPUs: fractional sides fit many systems at once).
+
+    ``two_device`` (default: when this process has >= 2 cores): pin each node to its own half of
+    the cores and keep this driver on the target's half until the cluster is down. The cluster
+    object gets ``target_cpus`` / ``draft_cpus`` (None when not pinned)."""
     import ray
     from ray.cluster_utils import Cluster
 
     from specserve.distributed.placement import sigint_shielded
 
+    cores = split_cores() if two_device in (None, True) else None
+    if two_device and cores is None:
+        raise ValueError("two_device needs at least 2 CPU cores in this process's affinity set")
+    target_cpus, draft_cpus = cores or (None, None)
     cluster = previous = None
+    driver_cpus = os.sched_getaffinity(0)
     try:
         # A terminal's Ctrl-C must reach only this driver (which then stops Ray in order), not the raylets.
         with sigint_shielded():
-            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: "target"}})
-            cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: "draft"})
+            with pinned(target_cpus):
+                cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: "target"}})
+            with pinned(draft_cpus):
+                cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: "draft"})
+        cluster.target_cpus, cluster.draft_cpus = target_cpus, draft_cpus
+        if target_cpus is not None:
+            os.sched_setaffinity(0, target_cpus)  # the driver lives on the target's box
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": THREAD_ENV})
         # Ray's own SIGTERM handler does not stop a driver blocked in ray.get: make SIGTERM behave
         # like Ctrl-C so the finally below tears the cluster down.
@@ -54,6 +100,7 @@ def local_cluster(num_cpus_per_node: float = 8):
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+        os.sched_setaffinity(0, driver_cpus)
 
 
 class Echo:

@@ -8,7 +8,10 @@ draft-model speculation); then for each batch size warm each system up and run t
 repeats round-robin (the order rotates each repeat), so a noisy moment on a shared machine
 hits all systems alike -> records -> ``report.py`` (tables.md, results.json) and
 ``plots.py`` (PNGs) in ``--out``. Ctrl-C / SIGTERM stop Ray, the models and vLLM cleanly
-and still write what was measured.
+and still write what was measured. Two devices are emulated by default on machines with >= 2
+cores (``bench_cluster.local_cluster``): the Ray draft node on its own cores, and everything
+colocated (in-process specserve, transformers, vLLM) confined to the target node's cores;
+``--shared-cores`` runs everything on every core instead.
 
     python -m benchmarks.bench_systems                    # full: batch 1, 8, 32; 3 repeats (long)
     python -m benchmarks.bench_systems --quick            # every system, tiny sizes (minutes)
@@ -17,7 +20,6 @@ and still write what was measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -65,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="dtype of every real model [float32]")
     p.add_argument("--side-cpus", type=float, default=0.25, help="Ray: logical CPUs reserved per side [0.25]")
     p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the two-node Ray systems")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="no device emulation: both Ray nodes and the colocated systems on every core (the old mode)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers assisted generation")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM")
     p.add_argument("--vllm-python", default=default_vllm_python(), help="a Python with vLLM [env SPECSERVE_VLLM_PYTHON, /work/venv-vllm, or this one if it has vLLM]")
@@ -164,7 +168,7 @@ def main(argv=None) -> dict:
     import transformers
     from tqdm.auto import tqdm
 
-    from benchmarks.bench_cluster import local_cluster, measure_rtt
+    from benchmarks.bench_cluster import local_cluster, measure_rtt, pinned, split_cores
     from benchmarks.scenarios import make_scenario
 
     torch.set_num_threads(1)
@@ -188,8 +192,13 @@ def main(argv=None) -> dict:
                                          "prompt_sources": s.sources, "systems": [vars(x) for x in s.systems]})
         needs_ray = any(x.kind == "ray" for s in scenarios for x in s.systems)
         total = sum(len(s.systems) * len(args.batch_sizes) * (1 + args.repeats) for s in scenarios)
-        with (local_cluster() if needs_ray else contextlib.nullcontext()) as cluster, \
+        cores = None if args.shared_cores else split_cores()
+        results["meta"]["cores"] = {"target": sorted(cores[0]), "draft": sorted(cores[1])} if cores else None
+        # Colocated systems run in this process (or start from it): confined to the target's cores.
+        with (local_cluster(two_device=cores is not None) if needs_ray else pinned(cores[0] if cores else None)) as cluster, \
                 tqdm(total=total, desc="bench", unit="run", file=sys.stderr) as bar:
+            bar.write(f"two-device emulation: target cores {sorted(cores[0])}, draft cores {sorted(cores[1])}" if cores
+                      else "shared cores: no device emulation", file=sys.stderr)
             if cluster is not None:
                 results["meta"]["bare_rtt"] = measure_rtt([0.0])
             for s in scenarios:

@@ -1,22 +1,28 @@
-"""vLLM side by side, one run, same prompts: target-only, colocated draft model, and specserve's remote drafts.
+"""vLLM side by side in the two-device harness: target-only, colocated draft model, specserve's remote draft.
 
-Configurations (each engine alone on the machine while it is measured, all on one local
-two-node Ray cluster labelled target / draft, one torch thread per process):
+Every system of a pair is loaded once on one local two-node Ray cluster whose nodes are pinned
+to disjoint core sets (``bench_cluster.local_cluster``: the target node is the "DGX Spark", the
+draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on every core):
 
-- ``vllm``: plain vLLM, target only.
-- ``vllm+draft_model``: plain vLLM with its colocated ``draft_model`` speculation.
-- ``specserve vllm+hf``: specserve, vLLM target (``RemoteDraftProposer``) on the target node,
-  transformers draft on the draft node, over TCP.
-- ``specserve vllm+vllm``: the same with a vLLM draft (``VLLMDrafter``).
+- ``vllm target-only``: ``vllm.LLM`` in an actor on the target node.
+- ``vllm colocated k=K``: the same with vLLM's ``draft_model`` speculation: the draft shares the
+  target's cores, as it would speculating on the big box alone (the peer to beat).
+- ``specserve d=Xms``: specserve with a vLLM target (``RemoteDraftProposer``) on the target node
+  and a transformers draft on the draft node, all defaults (adaptive k <= K, ``draft_ahead``
+  auto), an emulated one-way link delay of X ms.
+- ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off (both at 0 ms).
 
-Batch 1 runs the prompts one after another, batch 8 all at once, ``--repeats`` times each
-(median and min-max). Printed per row: tokens/s,
-acceptance rate, mean acceptance length, ratio to ``vllm+draft_model``, and whether the output
-equals ``vllm``'s token for token; for the vLLM draft, how much of each proposal's context
-it recomputed (prefix caching keeps full KV blocks only). JSON with ``--json``. Timings on a
-shared 2-core CPU are noisy: read the ratios, not the digits.
+For each batch size every system is warmed up, then the repeats run round-robin with the order
+rotating, so a noisy moment hits all alike. Per row: tokens/s (median, min-max), the ratio to
+vLLM colocated and to vLLM target-only, acceptance, tokens per step, the per-step split
+(verify, draft wait, link, specserve's own overhead), the cache-hit rate, whether every output
+equals vLLM target-only's token for token, and the ideal two-device ratio, colocated step time
+/ (verify + link): what a draft hidden completely behind verification would give at the same
+tokens per step, with the fraction of it reached. Tables to stdout and ``--out``/tables.md,
+everything to results.json, a plot to speedup_vs_batch.png.
 
-    python -m benchmarks.bench_vllm [--max-tokens 128] [--k 4] [--repeats 3] [--compiled] [--json out.json]
+    python -m benchmarks.bench_vllm                          # demo and realistic pairs, batch 1, 8, 32 (~1 h on 2 cores)
+    python -m benchmarks.bench_vllm --quick                  # tiny sizes, every system once (~10 min)
 """
 
 from __future__ import annotations
@@ -24,14 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from .bench_cluster import ROLE, local_cluster
-from .scenarios import heldout_prompts as load_prompts
+from .bench_cluster import ROLE, THREAD_ENV, local_cluster
+from .scenarios import heldout_prompts, load_example
+
+STEPS = "vllm:iteration_tokens_total"  # a histogram observed once per engine step: its count is the step count
+SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 class PlainVLLM:
-    """A ``vllm.LLM`` in an actor; ``generate`` returns token ids and vLLM's spec-decode counter deltas."""
+    """A ``vllm.LLM`` in an actor; ``run`` returns token ids, wall time, engine steps and spec-decode counts."""
 
     def __init__(self, **kwargs):
         from vllm import LLM
@@ -39,135 +50,268 @@ class PlainVLLM:
         self.llm = LLM(**kwargs)
 
     def _counters(self) -> dict:
-        return {m.name: m.value for m in self.llm.get_metrics() if "spec_decode" in m.name and hasattr(m, "value")}
+        out = {}
+        for m in self.llm.get_metrics():
+            if m.name in SPEC:
+                out[m.name] = out.get(m.name, 0) + m.value
+            elif m.name == STEPS:
+                out[m.name] = out.get(m.name, 0) + m.count
+        return out
 
-    def generate(self, prompts, max_tokens: int) -> dict:
+    def run(self, prompts, batch: int, max_tokens: int) -> dict:
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         torch.get_num_threads()  # this thread's OpenMP count = torch's (specserve.vllm.options.sync_omp_threads)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         before = self._counters()
+        start, token_ids = time.perf_counter(), []
+        for i in range(0, len(prompts), batch):
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + batch]], params, use_tqdm=False)
+            token_ids += [list(o.outputs[0].token_ids) for o in outs]
+        wall = time.perf_counter() - start
+        c = {k: v - before.get(k, 0) for k, v in self._counters().items()}
+        return {"wall_s": wall, "token_ids": token_ids, "num_steps": c.get(STEPS, 0), "num_drafts": c.get(SPEC[0], 0),
+                "num_draft_tokens": c.get(SPEC[1], 0), "num_accepted_tokens": c.get(SPEC[2], 0)}
+
+
+class VLLMRunner:
+    def __init__(self, kwargs: dict):
+        import ray
+
+        self.actor = ray.remote(PlainVLLM).options(num_cpus=0.25, label_selector={ROLE: "target"}).remote(**kwargs)
+
+    def run(self, prompts, batch: int, max_tokens: int) -> dict:
+        import ray
+
+        return ray.get(self.actor.run.remote(prompts, batch, max_tokens))
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+class SpecserveRunner:
+    """specserve with a vLLM target on the target node and a transformers draft on the draft node."""
+
+    def __init__(self, target: str, draft: str, options: dict, vllm_options: dict):
+        from specserve import LLM
+
+        self.llm = LLM(target, draft=draft, ray=True, target_backend="vllm", target_backend_options=vllm_options,
+                       target_num_cpus=0.25, draft_num_cpus=0.25, cpu_threads=1, runtime_env={"env_vars": THREAD_ENV}, **options)
+
+    def run(self, prompts, batch: int, max_tokens: int) -> dict:
+        from specserve import SamplingParams
+
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        after = self._counters()
-        return {"token_ids": [list(o.outputs[0].token_ids) for o in outs], "spec": {k: after[k] - before.get(k, 0) for k in after}}
+        before = self.llm.metrics()
+        start, outs = time.perf_counter(), []
+        for i in range(0, len(prompts), batch):
+            outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        after = self.llm.metrics()
+        d = lambda key: after[key] - before[key]  # noqa: E731
+        t = {key: after["timing"][key] - before["timing"][key] for key in after["timing"]}
+        steps, spec, verify = max(1, d("num_steps")), max(1, d("num_proposals")), max(1, d("num_verify_steps"))
+        return {"wall_s": wall, "token_ids": [list(o.token_ids) for o in outs], "num_steps": d("num_steps"),
+                "num_drafts": sum(o.metrics.num_drafts for o in outs), "num_draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
+                "num_accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
+                "num_blocks": d("num_blocks"), "num_cache_hits": d("num_cache_hits"), "num_speculative_steps": d("num_proposals"),
+                "verify_ms": t["verify_s"] / verify * 1e3, "draft_wait_ms": t["draft_wait_s"] / spec * 1e3,
+                "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3, "overhead_ms": t["specserve_s"] / steps * 1e3,
+                "k": after.get("speculation", {}).get("k"), "draft_ahead": _draft_ahead(after)}
+
+    def close(self) -> None:
+        self.llm.shutdown()
 
 
-def run_plain(kwargs: dict, prompts, max_tokens: int, warmup, repeats: int = 3) -> dict:
-    import ray
+def _draft_ahead(metrics: dict):
+    drafts = (metrics.get("drafts") or {}).get("drafts") or {}
+    return next((d.get("draft_ahead") for d in drafts.values()), None)
 
-    actor = ray.remote(PlainVLLM).options(num_cpus=0.5, label_selector={ROLE: "target"}).remote(**kwargs)
+
+def systems(args, target: str, draft: str) -> dict[str, callable]:
+    """Name -> constructor, in the order they load."""
+    options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
+    plain = {"model": target, "dtype": "float32", "seed": 0, "disable_log_stats": False, **options}
+    k = args.k
+    out = {"vllm target-only": lambda: VLLMRunner(plain),
+           f"vllm colocated k={k}": lambda: VLLMRunner({**plain, "speculative_config": {
+               "method": "draft_model", "model": draft, "num_speculative_tokens": k}})}
+    common = {"num_speculative_tokens": k, "draft_min_timeout_s": 5.0}
+    for delay in args.delays_ms:
+        out[f"specserve d={delay:g}ms"] = lambda delay=delay: SpecserveRunner(target, draft, {**common, "channel_delay_ms": delay}, options)
+    if not args.quick:
+        out[f"specserve k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options)
+        out["specserve no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options)
+    return out
+
+
+def bench_pair(name: str, target: str, draft: str, args, log) -> list[dict]:
+    prompts, _ = heldout_prompts(target, max(args.batch_sizes + [args.num_prompts]), args.prompt_tokens)
+    runners, records = {}, []
     try:
-        ray.get(actor.generate.remote(warmup, 8))
-        rows = {}
-        for batch in (1, 8):
-            walls = []
-            for _ in range(repeats):
-                start, token_ids, spec = time.perf_counter(), [], {}
-                for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
-                    r = ray.get(actor.generate.remote(group, max_tokens))
-                    token_ids += r["token_ids"]
-                    spec = {k: spec.get(k, 0) + v for k, v in r["spec"].items()}
-                walls.append(time.perf_counter() - start)
-            wall = statistics.median(walls)
-            drafted, accepted = spec.get("vllm:spec_decode_num_draft_tokens", 0), spec.get("vllm:spec_decode_num_accepted_tokens", 0)
-            drafts = spec.get("vllm:spec_decode_num_drafts", 0)
-            rows[batch] = {"wall_s": wall, "walls": walls, "tokens": sum(map(len, token_ids)), "token_ids": token_ids,
-                           "acceptance_rate": accepted / drafted if drafted else None,
-                           "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
-        return rows
+        for sys_name, make in systems(args, target, draft).items():
+            log(f"{name}: loading {sys_name}")
+            runners[sys_name] = make()
+        for batch in args.batch_sizes:
+            wave = prompts[: max(batch, args.num_prompts)]
+            for sys_name, r in runners.items():  # warm-up: this batch size's shapes, and the adaptive controller's estimates
+                r.run(wave[:batch], batch, min(16, args.max_tokens))
+            names = list(runners)
+            for repeat in range(args.repeats):
+                shift = repeat % len(names)
+                for sys_name in names[shift:] + names[:shift]:
+                    rec = runners[sys_name].run(wave, batch, args.max_tokens)
+                    records.append({"pair": name, "system": sys_name, "batch": batch, "repeat": repeat, **rec})
+                    n = sum(map(len, rec["token_ids"]))
+                    log(f"{name:9s} b={batch:<2d} r={repeat + 1} {sys_name:24s} {n / rec['wall_s']:8.1f} tok/s")
     finally:
-        ray.kill(actor)
+        for r in runners.values():
+            r.close()
+    return records
 
 
-def run_specserve(draft_backend: str, options: dict, prompts, max_tokens: int, k: int, warmup, repeats: int = 3) -> dict:
-    import ray
+def summarize(records: list[dict], k: int) -> list[dict]:
+    rows = []
+    keys = sorted({(r["pair"], r["batch"]) for r in records}, key=lambda x: (x[0], x[1]))
+    for pair, batch in keys:
+        group = [r for r in records if r["pair"] == pair and r["batch"] == batch]
+        by_sys: dict[str, list[dict]] = {}
+        for r in group:
+            by_sys.setdefault(r["system"], []).append(r)
+        tps = {s: statistics.median(sum(map(len, r["token_ids"])) / r["wall_s"] for r in rs) for s, rs in by_sys.items()}
+        base, col = tps.get("vllm target-only"), tps.get(f"vllm colocated k={k}")
+        ref = by_sys.get("vllm target-only", [{}])[0].get("token_ids")
+        col_recs = by_sys.get(f"vllm colocated k={k}", [])
+        col_step_ms = statistics.median(r["wall_s"] / max(1, r["num_steps"]) * 1e3 for r in col_recs) if col_recs else None
+        for s, rs in by_sys.items():
+            med = lambda key: statistics.median(r[key] for r in rs) if all(r.get(key) is not None for r in rs) else None  # noqa: E731
+            drafted, accepted, drafts = (sum(r[key] for r in rs) for key in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
+            row = {"pair": pair, "batch": batch, "system": s, "tok_s": tps[s],
+                   "tok_s_range": [min(sum(map(len, r["token_ids"])) / r["wall_s"] for r in rs),
+                                   max(sum(map(len, r["token_ids"])) / r["wall_s"] for r in rs)],
+                   "vs_colocated": tps[s] / col if col else None, "vs_target_only": tps[s] / base if base else None,
+                   "vs_best_vllm": tps[s] / max(base or 0, col or 0) if (base or col) else None,
+                   "acceptance": accepted / drafted if drafted else None, "tokens_per_step": 1 + accepted / drafts if drafts else None,
+                   "exact": ref is not None and all(r["token_ids"] == ref for r in rs), "step_ms": None}
+            if s.startswith("specserve"):
+                blocks = sum(r["num_blocks"] for r in rs)
+                row.update({key: med(key) for key in ("verify_ms", "draft_wait_ms", "link_ms", "overhead_ms")})
+                row["hit_rate"] = sum(r["num_cache_hits"] for r in rs) / blocks if blocks else None
+                row["draft_ahead"], row["k_last"] = rs[-1].get("draft_ahead"), rs[-1].get("k")
+                if col_step_ms and row["verify_ms"] is not None and sum(r["num_speculative_steps"] for r in rs):
+                    row["ideal"] = col_step_ms / (row["verify_ms"] + max(0.0, row["link_ms"]))
+                    row["of_ideal"] = row["vs_colocated"] / row["ideal"] if row["vs_colocated"] else None
+            else:
+                row["step_ms"] = statistics.median(r["wall_s"] / max(1, r["num_steps"]) * 1e3 for r in rs)
+            rows.append(row)
+    return rows
 
-    from specserve import LLM, SamplingParams
 
-    draft_options = {"draft_backend_options": options} if draft_backend == "vllm" else {}
-    llm = LLM("demo:target", draft="demo:draft", ray=True, target_backend="vllm", target_backend_options=options,
-              draft_backend=draft_backend, num_speculative_tokens=k, target_num_cpus=0.5, draft_num_cpus=0.5,
-              draft_min_timeout_s=5.0, **draft_options)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        rows = {}
-        for batch in (1, 8):
-            walls = []
-            for _ in range(repeats):
-                start, outs = time.perf_counter(), []
-                for group in ([[p] for p in prompts] if batch == 1 else [prompts]):
-                    outs += llm.generate(group, params, use_tqdm=False)
-                walls.append(time.perf_counter() - start)
-            wall = statistics.median(walls)
-            drafted = sum(o.metrics.num_draft_tokens for o in outs)
-            accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-            drafts = sum(o.metrics.num_drafts for o in outs)
-            rows[batch] = {"wall_s": wall, "walls": walls, "tokens": sum(len(o.token_ids) for o in outs), "token_ids": [o.token_ids for o in outs],
-                           "acceptance_rate": accepted / drafted if drafted else None,
-                           "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
-        if draft_backend == "vllm":  # how much context each proposal recomputed (the rest came from the prefix cache)
-            c = ray.get(llm._engine.drafts[0].__ray_call__.remote(lambda worker: dict(worker.service.drafter.counters)))
-            rows["draft_recompute"] = {**c, "recomputed_per_proposal": c["num_recomputed_tokens"] / max(1, c["num_draft_tokens"]) *
-                                       k, "recomputed_fraction": c["num_recomputed_tokens"] / max(1, c["num_context_tokens"])}
-        return rows
-    finally:
-        llm.shutdown()
+def _fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else (f"{v:{spec}}" if not isinstance(v, bool) else ("yes" if v else "NO"))
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| pair | batch | system | tok/s (min-max) | vs colocated | vs target-only | acceptance | tokens/step | "
+            "ms/step: vLLM step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|"]
+    for r in rows:
+        split = (f"{_fmt(r['step_ms'], '.1f')} / - / - / - / -" if r["step_ms"] is not None else
+                 f"- / {_fmt(r.get('verify_ms'), '.1f')} / {_fmt(r.get('draft_wait_ms'), '.1f')} / "
+                 f"{_fmt(r.get('link_ms'), '.2f')} / {_fmt(r.get('overhead_ms'), '.2f')}")
+        lines.append(f"| {r['pair']} | {r['batch']} | {r['system']} | {r['tok_s']:.1f} ({r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f}) | "
+                     f"{_fmt(r['vs_colocated'])}x | {_fmt(r['vs_target_only'])}x | {_fmt(r['acceptance'])} | "
+                     f"{_fmt(r['tokens_per_step'])} | {split} | {_fmt(r.get('hit_rate'))} | {_fmt(r.get('draft_ahead'))} | "
+                     f"{_fmt(r.get('ideal'))}x | {_fmt(r.get('of_ideal'), '.0%')} | {_fmt(r['exact'])} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = sorted({r["pair"] for r in rows})
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.2 * len(pairs), 4), squeeze=False)
+    for ax, pair in zip(axes[0], pairs):
+        prow = [r for r in rows if r["pair"] == pair]
+        for s in dict.fromkeys(r["system"] for r in prow):
+            pts = sorted((r["batch"], r["vs_colocated"]) for r in prow if r["system"] == s and r["vs_colocated"])
+            if pts:
+                ax.plot(*zip(*pts), "o-" if s.startswith("specserve") else "s--", label=s)
+        ax.axhline(1.0, color="gray", lw=1, ls=":")
+        ax.set(title=pair, xscale="log", xlabel="batch size", ylabel="tok/s vs vLLM colocated")
+        ax.set_xticks(sorted({r["batch"] for r in prow}), [str(b) for b in sorted({r["batch"] for r in prow})])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: the demo pair, batch 1 and 8, one repeat, fewer systems")
+    p.add_argument("--pairs", default=None, help="demo, realistic [demo,realistic; quick: demo]")
+    p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py (default: built into --out)")
+    p.add_argument("--batch-sizes", default=None, help="concurrent requests per wave [1,8,32; quick: 1,8]")
+    p.add_argument("--delays-ms", default=None, help="emulated one-way link delays for specserve [0,1,5; quick: 0]")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run at batch 1 (batch B runs max(B, this)) [8]")
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per row; the table shows the median")
-    p.add_argument("--compiled", action="store_true", help="torch.compile in every engine (default: eager, fast starts)")
-    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt [64; quick: 24]")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative system [4]")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per row; the table shows the median [3; quick: 1]")
+    p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (default: eager, fast starts)")
+    p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
+    p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json, the plot [bench_out/vllm]")
     args = p.parse_args(argv)
+    q = args.quick
+    args.pairs = (args.pairs or ("demo" if q else "demo,realistic")).split(",")
+    args.batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if q else "1,8,32")).split(",")]
+    args.delays_ms = [float(x) for x in (args.delays_ms or ("0" if q else "0,1,5")).split(",")]
+    args.max_tokens = args.max_tokens or (24 if q else 64)
+    args.repeats = args.repeats or (1 if q else 3)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     from specserve.config import resolve_model
 
-    target, draft = resolve_model("demo:target"), resolve_model("demo:draft")
-    prompts, _ = load_prompts(target, args.num_prompts, args.prompt_tokens)
-    warmup = prompts[:2]
-    options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30}
-    plain = {"model": target, "dtype": "float32", "seed": 0, "max_model_len": 512, "disable_log_stats": False, **options}
-    results = {}
-    with local_cluster():
-        results["vllm"] = run_plain(plain, prompts, args.max_tokens, warmup, args.repeats)
-        results["vllm+draft_model"] = run_plain({**plain, "speculative_config": {
-            "method": "draft_model", "model": draft, "num_speculative_tokens": args.k}}, prompts, args.max_tokens, warmup, args.repeats)
-        results["specserve vllm+hf"] = run_specserve("hf", options, prompts, args.max_tokens, args.k, warmup, args.repeats)
-        results["specserve vllm+vllm"] = run_specserve("vllm", options, prompts, args.max_tokens, args.k, warmup, args.repeats)
-    print(table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
-    return results
-
-
-def table(results: dict) -> str:
-    base = results["vllm+draft_model"]
-    lines = ["| configuration | batch | tok/s (median) | min-max | acceptance | mean acc. len | vs vllm+draft_model | exact |", "|---|---|---|---|---|---|---|---|"]
-    for name, rows in results.items():
-        for batch in (1, 8):
-            r = rows[batch]
-            tps = r["tokens"] / r["wall_s"]
-            ratio = tps / (base[batch]["tokens"] / base[batch]["wall_s"])
-            acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
-            mal = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
-            exact = r["token_ids"] == results["vllm"][batch]["token_ids"]
-            spread = "-".join(f"{r['tokens'] / w:.0f}" for w in (max(r["walls"]), min(r["walls"])))
-            lines.append(f"| {name} | {batch} | {tps:.0f} | {spread} | {acc} | {mal} | {ratio:.2f}x | {exact} |")
-    rc = results.get("specserve vllm+vllm", {}).get("draft_recompute")
-    if rc:
-        lines.append(f"\nvLLM draft: {rc['num_recomputed_tokens']} of {rc['num_context_tokens']} context tokens recomputed "
-                     f"({rc['recomputed_fraction']:.0%}), about {rc['recomputed_per_proposal']:.1f} per proposal of k tokens")
-    lines.append("(shared 2-core CPU; medians of --repeats runs, each engine alone on the machine while measured)")
-    return "\n".join(lines)
+    pairs = {}
+    for name in args.pairs:
+        if name == "demo":
+            pairs[name] = (resolve_model("demo:target"), resolve_model("demo:draft"))
+        elif name == "realistic":
+            pair = Path(args.realistic_pair or out / "realistic_pair")
+            if not (pair / "target" / "config.json").exists():
+                load_example("make_realistic_pair").build_pair(pair)
+            pairs[name] = (str(pair / "target"), str(pair / "draft"))
+        else:
+            p.error(f"unknown pair {name!r}: demo or realistic")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.time()
+    records = []
+    with local_cluster(two_device=not args.shared_cores) as cluster:
+        cores = {"target": sorted(cluster.target_cpus or []), "draft": sorted(cluster.draft_cpus or [])}
+        log(f"two-device harness: target node on cores {cores['target'] or 'all'}, draft node on {cores['draft'] or 'all'}")
+        for name, (target, draft) in pairs.items():
+            records += bench_pair(name, target, draft, args, log)
+    rows = summarize(records, args.k)
+    text = (f"vLLM side by side, {'shared cores' if args.shared_cores else 'two-device harness'} "
+            f"(target cores {cores['target']}, draft cores {cores['draft']}); greedy, k<={args.k}, "
+            f"{args.num_prompts} prompts x {args.max_tokens} tokens (batch B: max(B, prompts)), medians of {args.repeats}\n\n"
+            + table(rows))
+    print(text)
+    (out / "tables.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "cores": cores, "wall_s": time.time() - started,
+                                                  "summary": rows, "records": records}, indent=1))
+    plot(rows, out / "speedup_vs_batch.png")
+    log(f"wrote {out / 'tables.md'}, {out / 'results.json'}, {out / 'speedup_vs_batch.png'}")
+    return {"summary": rows, "records": records}
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+from .bench_cluster import THREAD_ENV  # one thread per process; vLLM keeps the inherited cores
 COUNTERS = ("num_steps", "num_speculative_steps", "num_cache_hits", "num_blocks")
 
 

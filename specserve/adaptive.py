@@ -1,23 +1,35 @@
-"""Choose the speculation length each step by measured goodput: expected tokens per second.
+"""Choose each step's speculation by measured goodput: how many draft tokens (k), and whether a
+draft that cannot answer from its speculation cache drafts on the critical path.
 
-For a batch of B sequences and k draft tokens each (a_j: measured acceptance at position j):
+For a batch of B sequences (a_j: measured acceptance at position j; c_j: measured share of
+cache-only blocks holding at least j + 1 tokens), per sequence:
 
-    E[tokens | k] = B * sum_{i=0..k} prod_{j<i} a_j          (the 1 is the recovered/bonus token)
-    cost(0)       = t_target(B, 1)                          (target-only: no round trip)
-    cost(k)       = t_target(B, k + 1) + link + t_draft(k)  (link: round trip minus draft compute)
-    t_draft(k)    = draft overhead + (1 - hit rate) * k * t_draft_step
+    E[tokens | k]             = sum_{i=0..k} prod_{j<i} a_j          (the 1 is the recovered/bonus token)
+    E[tokens | k, cache only] = 1 + sum_{i=1..k} c_{i-1} prod_{j<i} a_j
+    cost(0)                   = t_target(B, 1)                      (target-only: no round trip)
+    cost(k)                   = t_target(B, k + 1) + link + draft overhead + k * t_miss(B)
+    cost(k, cache only)       = t_target(B, k + 1) + link + draft overhead
 
-k = argmax E / cost (vLLM's and SGLang's rule, with costs measured online instead of
-profiled at start-up). ``t_target`` is a per-batch-size linear fit in the tokens per row;
-the first ``warmup_steps`` cycle k over a few values so every estimate has data, and one
-step in ``probe_every`` tries a neighbour of the choice (the configured k when speculation is
-off) so acceptance, the link and the costs keep being measured. ``predict`` returns the whole table (the benchmark prints it).
+t_miss(B) is the draft's measured forward time on the critical path per drafted position at
+this batch size: with drafting ahead only misses draft there, and one miss in a batch costs
+the whole batch the wait (prior: (1 - hit rate^B) x the draft's step time). The choice
+maximises E / cost (vLLM's and SGLang's rule, with costs measured online instead of profiled
+at start-up); cache-only is what keeps a remote draft paying at serving batch sizes.
+``t_target`` is a per-batch-size linear fit in the tokens per row. The first
+``warmup_steps`` cycle through k and both modes so every estimate has data, and one step in
+``probe_every`` tries a neighbour of the choice (the configured k when speculation is off,
+or the other mode) so acceptance, coverage, the link and the costs keep being measured.
+``budget`` is how long the draft has between its reply and the next request (the predicted
+verify + link): the draft sizes its speculation tree to it. ``predict`` returns the whole
+table (the benchmark prints it). Both target engines (specserve's ``EngineCore`` and the vLLM
+proposer) decide with ``plan_draft_lengths`` and report each step as one ``StepRecord``.
 Pure Python; knows nothing of models or transports.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -31,15 +43,15 @@ def _bucket(batch_size: int) -> int:
 
 
 @dataclass
-class _TargetCost:
-    """t(n) = a + b * n for one batch bucket, fitted on recent (n tokens per row, seconds) samples."""
+class LinearCost:
+    """t(n) = a + b * n, fitted on recent (n, seconds) samples (n: tokens per row, rows of a tree, ...)."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=64))
 
-    def add(self, n: int, seconds: float) -> None:
+    def add(self, n: float, seconds: float) -> None:
         self.samples.append((n, seconds))
 
-    def predict(self, n: int, prior_slope: float) -> float | None:
+    def predict(self, n: float, prior_slope: float = 0.1) -> float | None:
         if not self.samples:
             return None
         xs = [x for x, _ in self.samples]
@@ -62,89 +74,175 @@ class SpeculationController:
         self.prior_token_cost = prior_token_cost
         self.hysteresis = hysteresis
         self.acceptance = [prior_acceptance] * max(max_k, 1)
-        self.target_cost: dict[int, _TargetCost] = {}
+        self.coverage = [0.5] * max(max_k, 1)  # cache-only blocks: P(at least j + 1 tokens)
+        self.target_cost: dict[int, LinearCost] = {}
+        self.miss_s: dict[int, float] = {}  # batch bucket -> critical-path draft forward time per drafted position
         self.link_s: float | None = None
         self.draft_overhead_s: float | None = None
         self.draft_step_s: float | None = None
         self.hit_rate: float = 0.0
         self.steps = 0
         self.k = max_k
+        self.cache_only = False  # this step's mode (chosen with k)
         self._chosen = 0
-        self._probe_up = False
+        self._probe = 0
 
     # -- observations --------------------------------------------------------------------------
     def observe_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:
         for pos in range(min(num_accepted + 1, num_draft_tokens)):
             self.acceptance[pos] = _ema(self.acceptance[pos], 1.0 if pos < num_accepted else 0.0, 0.02)
 
+    def observe_coverage(self, num_asked: int, num_got: int) -> None:
+        """A cache-only block: ``num_got`` of the ``num_asked`` draft tokens were in the cache."""
+        for pos in range(min(num_asked, len(self.coverage))):
+            self.coverage[pos] = _ema(self.coverage[pos], 1.0 if pos < num_got else 0.0, 0.05)
+
     def observe_step(self, batch_size: int, tokens_per_row: int, target_s: float, wait_s: float = 0.0,
                      draft_compute_s: float = 0.0, draft_forward_s: float = 0.0, draft_step_s: float = 0.0,
-                     num_blocks: int = 0, num_hits: int = 0) -> None:
+                     num_blocks: int = 0, num_hits: int = 0, drafted_k: int = 0) -> None:
+        """``drafted_k``: the k of a step whose misses were drafted on the critical path (0: none were)."""
         self.steps += 1
-        self.target_cost.setdefault(_bucket(batch_size), _TargetCost()).add(tokens_per_row, target_s)
+        self.target_cost.setdefault(_bucket(batch_size), LinearCost()).add(tokens_per_row, target_s)
         if wait_s > 0.0:
             self.link_s = _ema(self.link_s, max(0.0, wait_s - draft_compute_s))
             self.draft_overhead_s = _ema(self.draft_overhead_s, max(0.0, draft_compute_s - draft_forward_s))
+        if drafted_k:
+            b = _bucket(batch_size)
+            self.miss_s[b] = _ema(self.miss_s.get(b), draft_forward_s / drafted_k, 0.2)
         if draft_step_s > 0.0:
             self.draft_step_s = draft_step_s
         if num_blocks:
             self.hit_rate = _ema(self.hit_rate, num_hits / num_blocks)
 
     # -- the model -----------------------------------------------------------------------------
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, cache_only: bool = False) -> float:
         total, reach = 1.0, 1.0
         for j in range(k):
             reach *= self.acceptance[j]
-            total += reach
+            total += reach * (self.coverage[j] if cache_only else 1.0)
         return total
 
-    def cost(self, batch_size: int, k: int) -> float | None:
+    def verify_s(self, batch_size: int, k: int) -> float | None:
         fit = self.target_cost.get(_bucket(batch_size))
-        t = fit.predict(k + 1, self.prior_token_cost) if fit is not None else None
+        return fit.predict(k + 1, self.prior_token_cost) if fit is not None else None
+
+    def cost(self, batch_size: int, k: int, cache_only: bool = False) -> float | None:
+        t = self.verify_s(batch_size, k)
         if t is None:
             return None
         if k == 0:
             return t
         if self.link_s is None or self.draft_step_s is None:
             return None
-        draft = (self.draft_overhead_s or 0.0) + (1.0 - self.hit_rate) * k * self.draft_step_s
-        return t + self.link_s + draft
+        cost = t + self.link_s + (self.draft_overhead_s or 0.0)
+        if not cache_only:
+            miss = self.miss_s.get(_bucket(batch_size))
+            cost += k * (miss if miss is not None else (1.0 - self.hit_rate ** batch_size) * self.draft_step_s)
+        return cost
 
-    def predict(self, batch_size: int) -> list[dict]:
-        """Per k: expected tokens per sequence, predicted seconds per step, tokens/s, speed-up over k=0."""
+    def budget(self, batch_size: int, k: int) -> float:
+        """Seconds from the draft's reply to the next request: the verify and the link (0: not known yet)."""
+        t = self.verify_s(batch_size, k)
+        return 0.0 if t is None or self.link_s is None else t + self.link_s
+
+    def predict(self, batch_size: int, cache: bool = True) -> list[dict]:
+        """Per k and mode: expected tokens per sequence, predicted seconds per step, tokens/s, speed-up over k=0."""
         rows = []
         base = self.cost(batch_size, 0)
         for k in range(self.max_k + 1):
-            c = self.cost(batch_size, k)
-            e = self.expected_tokens(k)
-            tps = batch_size * e / c if c else None
-            rows.append({"k": k, "expected_tokens": e, "step_s": c, "tokens_per_s": tps,
-                         "speedup": (tps * base / batch_size) if (tps and base) else None})
+            for cache_only in ((False, True) if (k and cache) else (False,)):
+                c = self.cost(batch_size, k, cache_only)
+                e = self.expected_tokens(k, cache_only)
+                tps = batch_size * e / c if c else None
+                rows.append({"k": k, "cache_only": cache_only, "expected_tokens": e, "step_s": c, "tokens_per_s": tps,
+                             "speedup": (tps * base / batch_size) if (tps and base) else None})
         return rows
 
-    def choose(self, batch_size: int, have_draft: bool = True) -> int:
-        """This step's k (the same for every sequence; rows cap it by their room)."""
+    def choose(self, batch_size: int, have_draft: bool = True, cache: bool = False) -> int:
+        """This step's k (the same for every sequence; rows cap it by their room); sets ``cache_only``.
+        ``cache``: some draft drafts ahead, so answering from its cache alone is an option."""
+        self.cache_only = False
         if not have_draft or self.max_k == 0:
             return 0
         if not self.adaptive:
             return self.max_k
         self._chosen += 1
-        if self._chosen <= self.warmup_steps:  # cycle k so the cost fit sees several widths
-            return (self.max_k, 0, self.max_k, max(1, self.max_k // 2))[self._chosen % 4]
+        if self._chosen <= self.warmup_steps:  # cycle k and the mode so every estimate has data
+            k, self.cache_only = ((self.max_k, False), (0, False), (self.max_k, cache), (max(1, self.max_k // 2), False))[self._chosen % 4]
+            return k
         if self._chosen % self.probe_every == 0:  # keep measuring a neighbour of the choice
-            self._probe_up = not self._probe_up
-            return self.max_k if self.k == 0 else max(0, min(self.max_k, self.k + (1 if self._probe_up else -1)))
-        table = self.predict(batch_size)
-        known = [r for r in table if r["tokens_per_s"] is not None]
-        if not known:
+            self._probe += 1
+            if self.k == 0:
+                k, self.cache_only = self.max_k, cache and self._probe % 2 == 0
+            elif cache and self._probe % 2 == 0:
+                k, self.cache_only = self.k, not self._cache_only_choice
+            else:
+                k, self.cache_only = max(0, min(self.max_k, self.k + (1 if self._probe % 4 == 1 else -1))), self._cache_only_choice
+            return k
+        table = [r for r in self.predict(batch_size, cache) if r["tokens_per_s"] is not None]
+        if not table:
+            self.cache_only = self._cache_only_choice and cache
             return self.k
-        best = max(known, key=lambda r: r["tokens_per_s"])
-        current = next((r for r in known if r["k"] == self.k), None)
+        best = max(table, key=lambda r: r["tokens_per_s"])
+        current = next((r for r in table if r["k"] == self.k and r["cache_only"] == (self._cache_only_choice and cache)), None)
         if current is None or best["tokens_per_s"] > current["tokens_per_s"] * (1 + self.hysteresis):
-            self.k = best["k"]
+            self.k, self._cache_only_choice = best["k"], best["cache_only"]
+        self.cache_only = self._cache_only_choice and cache and self.k > 0
         return self.k
 
+    _cache_only_choice = False  # the mode of the current choice (as opposed to this step's, which probes may change)
+
     def state(self) -> dict:
-        return {"k": self.k, "max_k": self.max_k, "acceptance_per_pos": list(self.acceptance), "link_ms": (self.link_s or 0.0) * 1e3,
-                "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate,
-                "adaptive": self.adaptive}
+        return {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "acceptance_per_pos": list(self.acceptance),
+                "coverage_per_pos": list(self.coverage), "link_ms": (self.link_s or 0.0) * 1e3,
+                "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate, "adaptive": self.adaptive}
+
+
+@dataclass
+class StepRecord:
+    """What one verify step measured; the controller learns from it and the engines add it up."""
+
+    batch_size: int  # sequences verified
+    tokens_per_row: int  # 1 + the longest draft block verified
+    target_s: float  # the verify forward(s)
+    outcome: object | None = None  # the drafts' ``ProposeOutcome`` for this step's blocks (None: nothing asked)
+    num_blocks: int = 0  # non-empty draft blocks verified
+    num_hits: int = 0  # of which answered from the speculation cache
+    asked: dict = field(default_factory=dict)  # request id -> k asked of the drafts for these blocks
+    cache_only: bool = False  # the drafts were told to answer from their speculation caches only
+
+
+def observe(controller: SpeculationController, record: StepRecord) -> None:
+    o = record.outcome
+    if o is None:
+        controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s)
+        return
+    if record.cache_only:
+        for rid, k in record.asked.items():
+            block = o.blocks.get(rid)
+            if block is not None:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
+                controller.observe_coverage(k, len(block.draft_token_ids))
+    controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s, o.wait_s, o.compute_s + o.queue_s,
+                            o.forward_s, o.draft_step_s, record.num_blocks, record.num_hits,
+                            0 if record.cache_only else max(record.asked.values(), default=0))
+
+
+def plan_draft_lengths(controller: SpeculationController, batch_size: int, have_draft: bool,
+                       rows: Iterable[tuple[str, int, bool]], cache: bool = False) -> dict[str, int]:
+    """This step's draft length per sequence, from (request id, room, seeded and sampled) rows;
+    ``controller.cache_only`` then says whether the drafts answer from their caches alone.
+
+    Every row gets the controller's k for the batch, capped by its room (max_tokens, context);
+    a seeded sampled request keeps the configured k and full blocks, because block boundaries
+    decide which draws become which tokens, so the same seed gives the same output only with
+    the same k. Rows that get 0 are left out: they ask the draft nothing this step."""
+    rows = list(rows)
+    seeded = any(s for _, _, s in rows)
+    k = controller.choose(batch_size, have_draft, cache and not seeded)
+    fixed = controller.max_k if have_draft else 0
+    out = {}
+    for rid, room, seeded_sampled in rows:
+        n = min(fixed if seeded_sampled else k, room)
+        if n > 0:
+            out[rid] = n
+    return out

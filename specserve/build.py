@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
+from .devices import placement
 from .draft import NgramDrafter
 from .model_drafter import ModelDrafter
 from .draft_service import DraftService
@@ -65,9 +66,13 @@ DRAFTERS = {"model": _model_drafter, "ngram": _ngram_drafter}
 
 
 def _ahead_policy(cfg: SpecserveConfig, own_process: bool) -> bool | str:
-    """Drafting ahead: as configured; "auto" is off in-process and decided per target otherwise."""
-    ahead = cfg.speculation.draft_ahead
-    return (own_process and "auto") if ahead == "auto" else ahead
+    """Drafting ahead: as configured; "auto" is decided per target from where each side computes
+    (``devices.shares_compute``), except that a CPU draft in its target's own process is known
+    to share its cores (no speculation cache is kept for it)."""
+    ahead, d = cfg.speculation.draft_ahead, cfg.draft
+    if ahead == "auto" and not own_process and not d.device.startswith("cuda") and d.backend != "sim":
+        return False
+    return ahead
 
 
 def set_cpu_threads(cfg: SpecserveConfig, in_process: bool) -> None:
@@ -148,5 +153,6 @@ def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dic
     if d.drafter == "model" and d.backend != "sim":
         check_model_source(d.model, "draft")
     drafter = DRAFTERS[d.drafter](cfg, own_process)
-    info = {"drafter": d.drafter, "backend": d.backend, "model": d.model, "device": d.device, **(info or {})}
+    info = {"drafter": d.drafter, "backend": d.backend, "model": d.model, "device": d.device, **(info or {}),
+            "placement": placement(d.device, simulated=d.backend == "sim")}
     return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, info, _ahead_policy(cfg, own_process))

@@ -77,12 +77,12 @@ class DraftConfig(SideConfig):
 
 class SpeculationConfig(_Section):
     num_speculative_tokens: int = Field(4, ge=0, le=32, description="Draft tokens per step (k); the most when adaptive. 0: target-only.")
-    adaptive: bool = Field(True, description="Choose k each step from measured acceptance and costs (k=0 when speculation does not pay).")
+    adaptive: bool = Field(True, description="Choose k each step from measured acceptance and costs (k=0 when speculation does not pay), and whether a draft answers from its speculation cache alone; both target engines (specserve's, vLLM's).")
     draft_probs: bool = Field(True, description="Sampled requests: the draft samples and sends its probabilities (else greedy point-mass drafts).")
-    draft_ahead: bool | Literal["auto"] = Field("auto", description="While the target verifies, the draft drafts ahead for the likeliest verdicts (speculation cache); auto: when the draft has its own process (Ray, Serve), not in-process where it would compete with the target for the same cores.")
+    draft_ahead: bool | Literal["auto"] = Field("auto", description="While the target verifies, the draft drafts ahead for the likeliest verdicts (speculation cache); auto: wherever the draft has compute of its own (another host, another GPU, or CPU cores disjoint from the target's), off where it would take the target's.")
     draft_ahead_preempt: bool = Field(True, description="Stop drafting ahead as soon as the next request arrives; false finishes the tree first (deterministic hits, for tests and measurements).")
-    fanout: int = Field(2, ge=1, le=16, description="Speculation cache: candidate tokens per verdict position.")
-    max_branches: int | None = Field(None, ge=1, description="Speculation cache: most branches per sequence (default (k+1) x fanout).")
+    fanout: int = Field(4, ge=1, le=16, description="Speculation cache: most candidate tokens per verdict position.")
+    max_branches: int | None = Field(None, ge=1, description="Speculation cache: most branches per sequence (default (k+1) x fanout; fewer when the time the target's verify leaves does not fit them).")
     draft_timeout_s: float = Field(10.0, gt=0, description="Longest wait for a draft reply (steady state uses ~20x the measured round trip).")
     draft_min_timeout_s: float = Field(0.5, gt=0, description="Shortest timeout of a draft reply.")
 

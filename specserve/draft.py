@@ -52,6 +52,7 @@ class DraftSeq:
     block_probs: list[np.ndarray] = field(default_factory=list)
     block_cands: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per block slot + bonus slot
     cache: dict[tuple[int, int], Branch] = field(default_factory=dict)  # (num_accepted, token) -> branch
+    num_asked: int = 0  # draft tokens the target last asked for (the depth drafting ahead aims at)
     verdict: tuple[int, int, int] | None = None  # (base_len, num_accepted, last token) of the last result
 
     @property
@@ -73,9 +74,9 @@ class Drafter(Protocol):
 
     def close(self, seq: DraftSeq) -> None: ...
 
-    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]: ...
+    def propose(self, seqs: list[DraftSeq], ks: list[int], draft_misses: bool = True) -> list[Proposal]: ...
 
-    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None: ...
+    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool], budget_s: float = 0.0) -> None: ...
 
     def rollback(self, seq: DraftSeq, num_tokens: int) -> None: ...
 
@@ -107,10 +108,10 @@ class NgramDrafter:
     def close(self, seq: DraftSeq) -> None:
         pass
 
-    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[DraftSeq], ks: list[int], draft_misses: bool = True) -> list[Proposal]:
         return [Proposal(ngram_propose(s.token_ids, k, self.min_n, self.max_n) if k else []) for s, k in zip(seqs, ks)]
 
-    def prepare(self, seqs, should_stop) -> None:
+    def prepare(self, seqs, should_stop, budget_s: float = 0.0) -> None:
         pass
 
     def rollback(self, seq: DraftSeq, num_tokens: int) -> None:
@@ -125,6 +126,7 @@ class DraftSide:
         self.namespace = namespace
         self.seqs: dict[str, DraftSeq] = {}
         self._proposed: list[DraftSeq] = []  # sequences whose block prepare() continues
+        self._budget_s = 0.0  # the target's estimate of the time until its next request
 
     def open(self, msg: OpenSeq) -> None:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
@@ -180,9 +182,12 @@ class DraftSide:
         wanted = [(self.seqs[rid], k) for rid, k in zip(req.request_ids, req.num_draft_tokens) if rid in self.seqs and rid not in lost]
         missing += [rid for rid in req.request_ids if rid not in self.seqs and rid not in lost]
         seqs, ks = [s for s, _ in wanted], [k for _, k in wanted]
-        proposals = self.drafter.propose(seqs, ks)
+        proposals = self.drafter.propose(seqs, ks, req.draft_misses)
         blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.cache_hit) for s, p in zip(seqs, proposals)]
-        self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids]
+        # Asked-for sequences get drafted ahead, an empty block too (a cache-only miss): its next
+        # verdict is the target's own next token, which the tree can foresee.
+        self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids or s.num_asked]
+        self._budget_s = req.budget_s
         step = self.drafter.step_time(max(1, len(seqs)))
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
         stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,
@@ -194,7 +199,7 @@ class DraftSide:
         seqs = [s for s in self._proposed if self.seqs.get(s.request_id) is s]
         self._proposed = []
         if seqs:
-            self.drafter.prepare(seqs, should_stop)
+            self.drafter.prepare(seqs, should_stop, self._budget_s)
 
     @property
     def num_seqs(self) -> int:

@@ -2,7 +2,8 @@
 
 Data flow: a transport (an in-process call, the TCP server, a Ray actor method) hands each
 connection's ``Hello`` to ``hello`` (vocabulary check by fingerprint: the draft refuses a
-target whose token ids mean other tokens) and each ``ProposeRequest`` to ``handle``, which
+target whose token ids mean other tokens; whether to draft ahead for it, from where each side
+computes: ``devices.shares_compute``) and each ``ProposeRequest`` to ``handle``, which
 answers under the compute lock; once the reply has left, the transport calls ``prepare``,
 which drafts ahead and stops the moment another request is waiting. One ``DraftSide`` per
 connection, all sharing one drafter (one model, one KV pool): several targets can share one
@@ -17,6 +18,7 @@ import threading
 import time
 from typing import Callable
 
+from .devices import shares_compute
 from .draft import DraftSide, Drafter
 from .messages import Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError
 from .models import check_vocab_compatible
@@ -26,12 +28,13 @@ logger = logging.getLogger(__name__)
 
 class DraftService:
     def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None, ahead: bool | str = True):
-        """``ahead``: draft ahead (when the drafter can): True, False, or "auto": not for a target on
-        this same machine while the draft runs on its CPU (they would share cores; the simulator's
-        drafts model a device of their own, so they do draft ahead)."""
+        """``ahead``: draft ahead (when the drafter can): True, False, or "auto": for each target
+        whose compute the draft does not share (another host, another GPU, disjoint CPU cores;
+        ``info["placement"]`` is this side's report, the target sends its own in the hello)."""
         self.drafter = drafter
         self.ahead = ahead
         self.no_ahead: set[str] = set()  # connections that do not get drafting ahead
+        self.ahead_by_conn: dict[str, tuple[bool, str]] = {}  # connection -> (drafting ahead, why)
         self.fingerprint = fingerprint
         self.draft_id = draft_id
         self.info = dict(info or {})
@@ -56,17 +59,24 @@ class DraftService:
                 old.close_all()
             self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/")
             self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
-            shares_cores = msg.info.get("in_process") or (
-                msg.info.get("ip") is not None and msg.info.get("ip") == self.info.get("ip")
-                and str(self.info.get("device", "cpu")).startswith("cpu")
-                and self.info.get("backend") != "sim")  # a simulated draft models a device of its own
-            if self.ahead is False or (self.ahead == "auto" and shares_cores):
-                self.no_ahead.add(conn)
-            else:
+            ahead, why = self._ahead_for(msg.info)
+            if ahead:
                 self.no_ahead.discard(conn)
+            else:
+                self.no_ahead.add(conn)
+            self.ahead_by_conn[conn] = (ahead, why)
             self.counters["num_connections"] += 1
-        logger.info("target %s connected as %s", msg.target_id, conn)
-        return HelloReply(self.draft_id, self.fingerprint, None, self.info)
+        logger.info("target %s connected as %s: drafting ahead %s (%s)", msg.target_id, conn, "on" if ahead else "off", why)
+        return HelloReply(self.draft_id, self.fingerprint, None, {**self.info, "draft_ahead": ahead, "draft_ahead_reason": why})
+
+    def _ahead_for(self, target_info: dict) -> tuple[bool, str]:
+        """Whether this connection gets drafting ahead, and why (said once per connection)."""
+        if not self.drafts_ahead:
+            return False, "off: this drafter keeps no speculation cache" if self.ahead is not False else "off: draft_ahead=false"
+        if self.ahead is True:
+            return True, "on: draft_ahead=true"
+        shared, why = shares_compute(target_info.get("placement"), self.info.get("placement"))
+        return (False, f"auto, off: {why}") if shared else (True, f"auto, on: {why}")
 
     def handle(self, conn: str, req: ProposeRequest) -> ProposeReply:
         arrived = time.perf_counter()
@@ -123,6 +133,7 @@ class DraftService:
         with self.lock:
             side = self.sides.pop(conn, None)
             self.targets.pop(conn, None)
+            self.ahead_by_conn.pop(conn, None)
             if side is not None:
                 side.close_all()
                 logger.info("connection %s closed: freed its sequences", conn)
@@ -138,5 +149,6 @@ class DraftService:
             entry = by_target.setdefault(t["target"], {"num_requests": 0, "num_seqs": 0})
             entry["num_requests"] += t["num_requests"]
             entry["num_seqs"] += side.num_seqs if side is not None else 0
+            entry["draft_ahead"], entry["draft_ahead_reason"] = self.ahead_by_conn.get(conn, (False, ""))
         return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs, "by_target": by_target,
                 "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s}

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .adaptive import SpeculationController
+from .adaptive import SpeculationController, StepRecord, observe, plan_draft_lengths
 from .messages import OpenSeq
 from .outputs import SpecMetrics, StepDelta
 from .pool import DraftPool
@@ -88,7 +88,7 @@ class EngineCore(RequestQueue):
         self.step_id = 0
         self.totals = SpecMetrics()
         self.timing = {k: 0.0 for k in TIMING_KEYS}
-        self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
+        self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_only_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
                          "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0}
 
     # -- requests -----------------------------------------------------------------------------
@@ -161,20 +161,15 @@ class EngineCore(RequestQueue):
         if not seqs:
             return result
         self.step_id += 1
-        batch_size = len(seqs)
         have_draft = self.pool is not None and self.pool.has_drafts
-        k = self.controller.choose(batch_size, have_draft)
-        fixed_k = self.controller.max_k if have_draft else 0
-        wants = {}
-        for rid, s in seqs.items():
-            # A seeded sampled request keeps the configured k: block boundaries decide which draws
-            # become which tokens, so the same seed gives the same output only with the same k.
-            n = min(fixed_k if (s.params.seed is not None and not s.params.greedy) else k, self.target.room(s))
-            if n:
-                wants[rid] = n
+        wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
+                                   ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
+                                    for rid, s in seqs.items()), cache=have_draft and self.pool.drafts_ahead)
+        cache_only = self.controller.cache_only
         blocks, fallback, outcome = {}, set(), None
         if wants:
-            outcome = self.pool.propose(self.step_id, wants)
+            outcome = self.pool.propose(self.step_id, wants, draft_misses=not cache_only,
+                                        budget_s=self.controller.budget(len(seqs), max(wants.values())))
             blocks, fallback = outcome.blocks, outcome.fallback
         elif self.pool is not None and not have_draft and self.controller.max_k:
             fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only
@@ -190,31 +185,33 @@ class EngineCore(RequestQueue):
                 self.pool.result(r)
             self.totals.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)
             self.controller.observe_acceptance(d.num_draft_tokens, d.num_accepted_tokens)
-            self.counters["num_generated_tokens"] += len(d.token_ids)
         result.deltas = deltas
-        target_s = self.target.forward_s - forward_before
-        tokens_per_row = 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0)
-        hits = sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids)
-        num_blocks = sum(1 for b in blocks.values() if b.draft_token_ids)
-        if outcome is not None:
-            self.controller.observe_step(batch_size, tokens_per_row, target_s, outcome.wait_s, outcome.compute_s + outcome.queue_s,
-                                         outcome.forward_s, outcome.draft_step_s, num_blocks, hits)
-            t = self.timing
-            t["draft_wait_s"] += outcome.wait_s
-            t["draft_queue_s"] += outcome.queue_s
-            t["draft_compute_s"] += outcome.compute_s
-            t["draft_forward_s"] += outcome.forward_s
-            t["draft_hidden_s"] += outcome.hidden_s
-            self.counters["num_speculative_steps"] += 1
-        else:
-            self.controller.observe_step(batch_size, tokens_per_row, target_s)
-        self.counters["num_cache_hits"] += hits
-        self.counters["num_blocks"] += num_blocks
-        self.counters["num_requests_failed"] += len(result.failed)
-        self.counters["num_steps"] += 1
-        self.timing["target_forward_s"] += target_s
-        self.timing["wall_s"] += time.perf_counter() - start
+        record = StepRecord(len(seqs), 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0),
+                            self.target.forward_s - forward_before, outcome,
+                            sum(1 for b in blocks.values() if b.draft_token_ids),
+                            sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids), wants, cache_only)
+        observe(self.controller, record)
+        self._account(record, result, time.perf_counter() - start)
         return result
+
+    def _account(self, rec: StepRecord, result: StepResult, wall_s: float) -> None:
+        """The step's numbers into the running totals ``metrics`` reads."""
+        t, c, o = self.timing, self.counters, rec.outcome
+        if o is not None:
+            t["draft_wait_s"] += o.wait_s
+            t["draft_queue_s"] += o.queue_s
+            t["draft_compute_s"] += o.compute_s
+            t["draft_forward_s"] += o.forward_s
+            t["draft_hidden_s"] += o.hidden_s
+            c["num_speculative_steps"] += 1
+            c["num_cache_only_steps"] += rec.cache_only
+        c["num_cache_hits"] += rec.num_hits
+        c["num_blocks"] += rec.num_blocks
+        c["num_requests_failed"] += len(result.failed)
+        c["num_generated_tokens"] += sum(len(d.token_ids) for d in result.deltas)
+        c["num_steps"] += 1
+        t["target_forward_s"] += rec.target_s
+        t["wall_s"] += wall_s
 
     def idle(self) -> None:
         """Nothing to step: deliver queued deltas (closes) to the drafts."""

@@ -120,6 +120,7 @@ class LocalEngine:
 
     def __init__(self, config: SpecserveConfig):
         from .build import DraftLink, build_draft_service, build_engine_loop, set_cpu_threads
+        from .devices import placement
         from .transport import LocalEndpoint
 
         set_cpu_threads(config, in_process=True)
@@ -128,7 +129,7 @@ class LocalEngine:
         if config.speculative:
             service = build_draft_service(config, "draft-local", own_process=False)
             link = DraftLink(lambda: {"local": service}, lambda name, svc: LocalEndpoint(svc, name, config.channel.delay_ms), "local",
-                             background=False, hello_info={"in_process": True})
+                             background=False, hello_info={"in_process": True, "placement": placement(config.target.device)})
         self.loop = build_engine_loop(config, link)  # specserve's engine, or the backend's (vllm)
         pool = self.loop.core.pool
         if pool is not None and pool.refused:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: ProposeRequest.draft_misses and budget_s
 
 
 class ProtocolError(ValueError):
@@ -86,12 +86,16 @@ class ProposeRequest:
     request_ids: list[str] = field(default_factory=list)  # sequences that need a block now
     num_draft_tokens: list[int] = field(default_factory=list)  # [len(request_ids)]: k per sequence
     live: list[str] | None = None  # when set: every sequence this target still has here; the draft frees the rest
+    draft_misses: bool = True  # false: answer only what the speculation cache holds (possibly nothing), draft nothing now
+    budget_s: float = 0.0  # the target's estimate of the time until its next request (verify + link); 0: unknown
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.num_draft_tokens):
             raise ValueError(f"{len(self.request_ids)} request_ids but {len(self.num_draft_tokens)} num_draft_tokens")
         if any(not 0 <= k <= 64 for k in self.num_draft_tokens):
             raise ValueError("num_draft_tokens must be in [0, 64]")
+        if not 0.0 <= self.budget_s < 3600.0:
+            raise ValueError(f"budget_s must be in [0, 3600), got {self.budget_s}")
 
 
 @dataclass(frozen=True)

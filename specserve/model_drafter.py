@@ -2,11 +2,16 @@
 
 On the critical path (``propose``): answer each sequence's block from the speculation cache
 when the verdict is one the drafter prepared for (a *hit*), else draft now (a *miss*,
-possibly continuing a partial hit). Off it (``prepare``, after the reply has left, while the
-target verifies; SSD/Saguaro's idea): one *glue* forward feeds the block just sent, then the
-likeliest verdicts (j drafts accepted then recovered token r; all accepted then bonus r) are
-drafted ahead as branches of a tree, one batched forward per depth, until the next request
-arrives or the tree is k deep. Draws are keyed by token position (``rng``), so a block
+possibly continuing a partial hit). A target that asks for cache-only answers gets what
+the cache holds (possibly a shorter block, or none) and nothing is drafted on the critical
+path. Off it (``prepare``, after the reply has left, while the target verifies;
+SSD/Saguaro's idea): one *glue* forward feeds the block just sent, then the likeliest
+verdicts (j drafts accepted then recovered token r; all accepted then bonus r; for an empty
+block, the target's own next token) are drafted ahead as branches of a tree, one batched
+forward per depth. The tree's width (branches per sequence) and depth are sized to the
+target's budget, the time until its next request, from the measured cost of a tree forward
+by rows: the most expected accepted tokens that fit; with no budget known, the whole tree
+until the next request arrives. Draws are keyed by token position (``rng``), so a block
 drafted ahead equals the block drafted on demand: hits and misses never change output.
 Logits stay in the draft's own vocabulary width; the target aligns q rows to its own.
 """
@@ -19,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .adaptive import LinearCost
 from .backends.base import ModelBackend
 from .draft import Branch, DraftSeq, Proposal
 from .rng import DRAFT_SAMPLE, uniforms
@@ -33,9 +39,12 @@ class ModelDrafter:
     """Autoregressive drafting with a small causal LM behind a ``ModelBackend``.
 
     ``fanout`` > 0 turns on the speculation cache: up to ``fanout`` candidate tokens per
-    verdict position, at most ``max_branches`` branches per sequence (default (k+1) x fanout);
-    ``preempt`` stops drafting ahead when the next request arrives.
+    verdict position, at most ``max_branches`` branches per sequence (default (k+1) x fanout),
+    fewer when the target's budget does not fit them; ``preempt`` stops drafting ahead when
+    the next request arrives.
     """
+
+    SAFETY = 0.85  # share of the target's budget a tree may use (the rest absorbs noise)
 
     def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None,
                  preempt: bool = True):
@@ -48,6 +57,8 @@ class ModelDrafter:
         self.forward_s = 0.0  # and their time
         self.step_times: dict[int, float] = {}  # batch bucket -> running estimate of one single-token forward
         self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches
+        self.tree_cost = LinearCost()  # seconds of one tree forward by rows (sequences x branches)
+        self.last_tree: tuple[int, int] = (0, 0)  # (branches per sequence, depth) of the last tree, for metrics
 
     def open(self, seq: DraftSeq) -> None:
         self.backend.add(seq.key)
@@ -108,7 +119,9 @@ class ModelDrafter:
         return self.step_time(1)
 
     # -- critical path ------------------------------------------------------------------------
-    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[DraftSeq], ks: list[int], draft_misses: bool = True) -> list[Proposal]:
+        """Each sequence's block: from the speculation cache when it foresaw the verdict, else
+        drafted now, or (``draft_misses`` false) only the part the cache holds."""
         self.num_forwards, self.forward_s = 0, 0.0
         out: list[Proposal | None] = [None] * len(seqs)
         room = self.backend.max_model_len
@@ -119,15 +132,15 @@ class ModelDrafter:
             branch = self._lookup(s)
             if branch is not None and k:
                 prefix = branch.token_ids[:k]
-            s.block, s.block_base = [], len(s.token_ids)
+            s.block, s.block_base, s.num_asked = [], len(s.token_ids), k
             s.block_probs, s.block_cands = [], []
             s.cache = {}
             if branch is not None and k:
                 s.block_cands = list(branch.cands[: len(prefix)])
                 s.block_probs = list(branch.probs[: len(prefix)])
-            if k and len(prefix) >= k:
+            if k and (len(prefix) >= k or not draft_misses):
                 s.block = prefix
-                out[i] = self._proposal(s, cache_hit=True)
+                out[i] = self._proposal(s, cache_hit=bool(prefix))
             elif k:
                 work.append((i, prefix, k))
             else:
@@ -190,42 +203,57 @@ class ModelDrafter:
         for pos in range(min(num_accepted + 1, num_draft)):
             self.acceptance[pos] = 0.95 * self.acceptance[pos] + 0.05 * (1.0 if pos < num_accepted else 0.0)
 
-    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None:
-        """Glue forward over each block just sent, then the branch tree for its likeliest verdicts."""
+    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool], budget_s: float = 0.0) -> None:
+        """Glue forward over each block just sent, then the branch tree for its likeliest verdicts,
+        as wide and deep as ``budget_s`` (the time until the target's next request) allows."""
+        started = time.perf_counter()
         if not self.preempt:
             should_stop = lambda: False  # noqa: E731
-        seqs = [s for s in seqs if s.block and self.fanout]
+        seqs = [s for s in seqs if (s.block or s.num_asked) and self.fanout]
         if not seqs or should_stop():
             return
-        feed = [s.token_ids[s.num_fed :] + s.block if s.num_fed < len(s.token_ids) else s.block[s.num_fed - len(s.token_ids) :]
-                for s in seqs]
+        feed = []
+        for s in seqs:
+            f = s.token_ids[s.num_fed :] + s.block if s.num_fed < len(s.token_ids) else s.block[s.num_fed - len(s.token_ids) :]
+            if not f:  # everything is in the KV already (an empty block): re-feed the last token for its logits
+                s.num_fed -= 1
+                self.backend.truncate(s.key, s.num_fed)
+                f = [s.token_ids[-1]]
+            feed.append(f)
         logits = self.backend.forward([s.key for s in seqs], feed, [1] * len(seqs))
         bonus_positions = [s.block_base + len(s.block) for s in seqs]
         _, _, cands = self._choose(seqs, logits[:, -1], bonus_positions, want_cands=True)
         for s, f, c in zip(seqs, feed, cands):
             s.num_fed += len(f)
             s.block_cands = s.block_cands[: len(s.block)] + [c]
-        roots = [self._roots(s) for s in seqs]
-        live = [i for i, r in enumerate(roots) if r]
+        scored = [self._roots(s) for s in seqs]
+        live = [i for i, r in enumerate(scored) if r]
         if not live:
             return
-        seqs, roots = [seqs[i] for i in live], [roots[i] for i in live]
-        lanes = max(len(r) for r in roots)
+        seqs, scored = [seqs[i] for i in live], [scored[i] for i in live]
         room = self.backend.max_model_len
-        depth_max = min(max(len(s.block) for s in seqs), min(room - s.block_base - len(s.block) - 1 for s in seqs))
+        depth_max = min(max(max(s.num_asked, len(s.block)) for s in seqs),
+                        min(room - s.block_base - len(s.block) - 1 for s in seqs))
+        width, depth = self._tree_size(scored, depth_max, budget_s - (time.perf_counter() - started))
+        roots = [[(j, tok) for _, j, tok in r[:width]] for r in scored]
+        lanes = max(len(r) for r in roots)
         branches = [[Branch([], [], []) for _ in r] for r in roots]
         tokens = [[tok for _, tok in r] for r in roots]
         prefix_lens = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]
-        for depth in range(depth_max):
+        self.last_tree = (lanes, 0)
+        for d in range(depth):
             if should_stop():
                 break
-            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, depth, lanes)
+            start = time.perf_counter()
+            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, d, lanes)
+            self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)
+            self.last_tree = (lanes, d + 1)
             flat_seqs, flat_rows, positions = [], [], []
             for i, s in enumerate(seqs):
                 for b in range(len(tokens[i])):
                     flat_seqs.append(s)
                     flat_rows.append((i, b))
-                    positions.append(prefix_lens[i][b] + depth + 1)
+                    positions.append(prefix_lens[i][b] + d + 1)
             index = torch.tensor([i * lanes + b for i, b in flat_rows])
             picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True)
             for n, (i, b) in enumerate(flat_rows):
@@ -239,8 +267,34 @@ class ModelDrafter:
         for s, r, bs in zip(seqs, roots, branches):
             s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
 
-    def _roots(self, s: DraftSeq) -> list[tuple[int, int]]:
-        """The likeliest verdicts (num_accepted j, token) of the block just sent, best first."""
+    def _tree_size(self, scored: list[list[tuple[float, int, int]]], depth_max: int, budget_s: float) -> tuple[int, int]:
+        """(branches per sequence, depth): the most expected accepted draft tokens whose forwards fit
+        the budget. A hit on a branch d deep yields up to d drafts, each kept with the measured
+        acceptance; without a budget or a cost estimate yet, the whole tree (preemption guards it)."""
+        widest = max(len(r) for r in scored)
+        if budget_s <= 0.0 or not self.tree_cost.samples:
+            return widest, depth_max
+        available = budget_s * self.SAFETY
+        reach = np.cumprod(self.acceptance[:depth_max])  # P(the first i + 1 drafts of a block are accepted)
+        gain = np.concatenate([[0.0], np.cumsum(reach)])  # expected accepted drafts of a d-deep hit
+        mass = np.zeros(widest + 1)  # total verdict probability covered by the top m branches
+        for r in scored:
+            p = np.array([x for x, _, _ in r] + [0.0] * (widest - len(r)))
+            mass[1:] += np.cumsum(p)
+        best, best_value = (1, 1), -1.0
+        for m in range(1, widest + 1):
+            per_depth = self.tree_cost.predict(len(scored) * m)
+            for d in range(1, depth_max + 1):
+                if d * per_depth > available and (m, d) != (1, 1):
+                    break
+                value = mass[m] * gain[d]
+                if value > best_value * 1.001:  # prefer the cheaper tree on (near) ties
+                    best, best_value = (m, d), value
+        return best
+
+    def _roots(self, s: DraftSeq) -> list[tuple[float, int, int]]:
+        """The likeliest verdicts (probability, num_accepted j, token) of the block just sent, best first.
+        An empty block has one: the target's next token (j = 0 with the bonus candidates)."""
         k = len(s.block)
         scored = []
         reach = 1.0  # P(the first j drafts are accepted)
@@ -257,5 +311,5 @@ class ModelDrafter:
             else:
                 scored += [(reach * p, j, t) for t, p in zip(tokens, q)][: self.fanout]
         scored.sort(key=lambda x: -x[0])
-        limit = self.max_branches if self.max_branches is not None else (k + 1) * self.fanout
-        return [(j, t) for _, j, t in scored[:limit]]
+        limit = self.max_branches if self.max_branches is not None else (max(k, s.num_asked) + 1) * self.fanout
+        return scored[:limit]

@@ -214,12 +214,22 @@ class DraftPool:
         catchup = sum(len(o.token_ids) for o in req.opens) * d.catchup_s * 4.0
         return min(self.max_timeout_s, max(self.min_timeout_s, 20.0 * d.latency_s) + catchup)
 
-    def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int], live: list[str] | None = None) -> ProposeRequest:
-        req = ProposeRequest(step, d.opens, list(d.results.values()), d.closes, rids, ks, live)
+    @property
+    def drafts_ahead(self) -> bool:
+        """Some connected draft drafts ahead for this target (so a cache-only request can be answered)."""
+        return any(d.info.get("draft_ahead") for d in self.drafts.values())
+
+    def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int], live: list[str] | None = None,
+                 draft_misses: bool = True, budget_s: float = 0.0) -> ProposeRequest:
+        req = ProposeRequest(step, d.opens, list(d.results.values()), d.closes, rids, ks, live, draft_misses,
+                             min(max(0.0, budget_s), 60.0))
         d.opens, d.results, d.closes = [], {}, []
         return req
 
-    def propose(self, step: int, wants: dict[str, int]) -> ProposeOutcome:
+    def propose(self, step: int, wants: dict[str, int], draft_misses: bool = True, budget_s: float = 0.0) -> ProposeOutcome:
+        """One request per draft that holds wanted sequences, all sent before any reply is awaited.
+        ``draft_misses`` false: drafts answer from their speculation caches only; ``budget_s``: the
+        time until the next request, which the drafts size their drafting ahead to."""
         out = ProposeOutcome({}, set())
         by_draft: dict[str, tuple[list[str], list[int]]] = {}
         for rid, k in wants.items():
@@ -234,7 +244,7 @@ class DraftPool:
         sent = []
         for name, (rids, ks) in by_draft.items():
             d = self.drafts[name]
-            req = self._request(d, step, rids, ks)
+            req = self._request(d, step, rids, ks, None, draft_misses, budget_s)
             try:
                 d.endpoint.send(req)
                 sent.append((d, req))

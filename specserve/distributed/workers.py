@@ -182,6 +182,7 @@ class TargetWorker:
     @_say_why("target")
     def __init__(self, config: dict, drafts: list | None = None, registry=None, draft_deployment=None, name: str | None = None):
         from ..build import DraftLink, build_engine_loop, set_cpu_threads
+        from ..devices import placement
         from ..transport import SocketEndpoint
 
         configure_worker_logging()
@@ -202,7 +203,7 @@ class TargetWorker:
 
                 links = link_factory(cfg.channel.collective_backend, rank=0, device=cfg.target.device)
             link = DraftLink(self._discover, lambda name, address: SocketEndpoint(address, delay, link_factory=links), self.name,
-                             hello_info={"ip": info["ip"], "device": cfg.target.device})
+                             hello_info={"ip": info["ip"], "device": cfg.target.device, "placement": placement(cfg.target.device)})
         self.loop = build_engine_loop(cfg, link, name=f"specserve-engine-{self.name}")  # specserve's engine, or the backend's (vllm)
         target = self.loop.core.target
         self.tokenizer = target.tokenizer

@@ -65,6 +65,10 @@ def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> 
         metric("specserve_draft_num_sequences", "gauge", "Sequences this draft holds state for.", d.get("num_seqs", 0), {"draft": name})
         metric("specserve_draft_num_connections", "gauge", "Targets connected to this draft.", d.get("num_live_connections", 0),
                {"draft": name})
+        for target, t in sorted(d.get("by_target", {}).items()):
+            metric("specserve_draft_ahead", "gauge",
+                   "1 when this draft drafts ahead for this target (auto: off only where it shares the target's compute).",
+                   int(bool(t.get("draft_ahead"))), {"draft": name, "target": target})
     metric("specserve_metrics_age_seconds", "gauge", "Age of the replica snapshot these numbers come from (-1: none yet).",
            registry_age_s)
     return "\n".join(lines) + "\n"

@@ -83,10 +83,10 @@ class VLLMDrafter:
     def rollback(self, seq: DraftSeq, num_tokens: int) -> None:
         pass  # the next prompt is the committed tokens: stale drafts are never reused
 
-    def prepare(self, seqs, should_stop) -> None:
+    def prepare(self, seqs, should_stop, budget_s: float = 0.0) -> None:
         pass
 
-    def propose(self, seqs: list[DraftSeq], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[DraftSeq], ks: list[int], draft_misses: bool = True) -> list[Proposal]:
         self.num_forwards, self.forward_s = 0, 0.0
         room = self.backend.max_model_len
         jobs = [(i, min(k, room - len(s.token_ids))) for i, (s, k) in enumerate(zip(seqs, ks))]

@@ -8,10 +8,14 @@ the output rank only (vLLM uses that rank's drafts; the other tensor-parallel ra
 empty lists), each batch row becomes draft-protocol deltas in a ``DraftPool``: a new request
 an ``OpenSeq``, the tokens committed since the last step a ``VerifyResult`` (base_len; the
 block prefix they match, i.e. accepted drafts; the tokens appended), a finished request a
-``CloseSeq``; then one ``ProposeRequest`` per draft asks k tokens per sequence. vLLM passes
-no request ids and has no finish hook: both come from the model runner that constructs this
-object (``input_batch.req_ids``, its request-removed hook). A draft that fails or answers
-late means empty proposals (target-only steps), never a failed request.
+``CloseSeq``; then one ``ProposeRequest`` per draft asks k tokens per sequence. Each step's k
+comes from the same goodput controller as specserve's own engine (``adaptive.py``: measured
+acceptance per position, the verify's cost by batch size and width, timed around the
+runner's ``execute_model``, the draft's reply time and hit rate): k = 0 asks nothing and
+sends nothing, and the committed tokens reach the draft with the next block it is asked for.
+vLLM passes no request ids and has no finish hook: both come from the model runner that
+constructs this object (``input_batch.req_ids``, its request-removed hook). A draft that
+fails or answers late means empty proposals (target-only steps), never a failed request.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..adaptive import SpeculationController, StepRecord, observe, plan_draft_lengths
+from ..devices import placement
 from ..messages import Hello, OpenSeq, VerifyResult
 from ..pool import DraftPool
 from . import link as links
@@ -67,14 +73,19 @@ class RemoteDraftProposer:
         self.runner = find_runner(sys._getframe(1))
         self.seqs: dict[str, _Seq] = {}
         self.step_stats: dict[str, tuple[int, int, bool]] = {}  # request -> (drafts verified, accepted, fallback), last step
-        self.timing = {"propose_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0}
-        self.counters = {"num_proposals": 0, "num_blocks": 0, "num_resyncs": 0}
+        self.timing = {"propose_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0,
+                       "verify_s": 0.0}
+        self.counters = {"num_proposals": 0, "num_cache_only_steps": 0, "num_blocks": 0, "num_resyncs": 0, "num_cache_hits": 0,
+                         "num_verify_steps": 0}
         self._lock = threading.RLock()
         self._step = 0
         self._last_propose = time.monotonic()
         self._stop = threading.Event()
         self.pool: DraftPool | None = None
         opts = (vllm_config.additional_config or {}).get("specserve", {}) if isinstance(vllm_config.additional_config, dict) else {}
+        self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)))
+        self._step_started: float | None = None  # when the runner began the step being verified
+        self._asked = None  # (ProposeOutcome, {request: block handed to vLLM}, {request: k asked}, cache only) of the last ask
         if not _is_output_rank():
             return  # vLLM takes the output rank's drafts; this rank proposes nothing
         if self.runner is None:
@@ -90,13 +101,17 @@ class RemoteDraftProposer:
         if slot is not None:
             slot.proposer = self
         self._hook_finished()
+        self._hook_step_timer()
+        device = str(getattr(getattr(vllm_config, "device_config", None), "device", "cpu") or "cpu")
+        hello_info = {**link.hello_info, "placement": placement(device)}
         self.pool = DraftPool(
-            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config), link.hello_info),
+            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config), hello_info),
             reopen=self._reopen, min_timeout_s=float(opts.get("min_timeout_s", 0.5)),
             max_timeout_s=float(opts.get("max_timeout_s", 10.0)), background=link.background,
         )
         threading.Thread(target=self._idle_flush, name="specserve-proposer-flush", daemon=True).start()
-        logger.info("RemoteDraftProposer: k=%d, target %s", self.k, link.target_id)
+        logger.info("RemoteDraftProposer: k<=%d (%s), target %s", self.k, "adaptive" if self.controller.adaptive else "fixed",
+                    link.target_id)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls this with the target model; a remote draft needs nothing from it."""
@@ -113,6 +128,18 @@ class RemoteDraftProposer:
             return _original(req_id, req_state)
 
         self.runner._on_request_state_removed = removed
+
+    def _hook_step_timer(self) -> None:
+        """Time each verify: from the runner's ``execute_model`` to this step's ``propose``."""
+        original = getattr(self.runner, "execute_model", None)
+        if original is None:
+            return
+
+        def execute_model(*args, _original=original, **kwargs):
+            self._step_started = time.perf_counter()
+            return _original(*args, **kwargs)
+
+        self.runner.execute_model = execute_model
 
     def close(self, rid: str) -> None:
         with self._lock:
@@ -190,48 +217,79 @@ class RemoteDraftProposer:
             self.timing["propose_s"] += time.perf_counter() - start
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled) -> list[list[int]]:
+        verify_s = time.perf_counter() - self._step_started if self._step_started is not None else None
+        self._step_started = None
         n = len(sampled_token_ids)
         self._step += 1
         self.step_stats = {}
         req_ids = self.runner.input_batch.req_ids
-        wants, rows = {}, {}
+        live, rows, widest, prefill = [], {}, 0, False
         for i in range(n):
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
+                prefill = True
                 continue
             rid, length = req_ids[i], int(num_tokens_no_spec[i])
             seq = self.seqs.get(rid)
-            verified = 0
             if seq is None:
+                prefill = True
                 # .tolist(): the whole prompt travels in the OpenSeq.
                 seq = self._open(rid, token_ids_cpu[i, :length].tolist())
             else:
                 verified = len(scheduled.get(rid, ())) if scheduled is not None else len(seq.block)
-                self.step_stats[rid] = (verified, max(0, len(sampled) - 1) if verified else 0, seq.fallback)
+                accepted = max(0, len(sampled) - 1) if verified else 0
+                self.step_stats[rid] = (verified, accepted, seq.fallback)
+                if verified:
+                    self.controller.observe_acceptance(verified, accepted)
+                widest = max(widest, verified)
                 self._advance(rid, seq, token_ids_cpu[i], length)
-            room = self._room(rid, length)
-            if room:
-                wants[rid], rows[rid] = room, i
+            live.append((rid, self._room(rid, length), self._seeded_sampled(rid)))
+            rows[rid] = i
+        self._observe_verify(len(live), 1 + widest, verify_s, prefill)
         if self._step % RECONCILE_EVERY == 0:
             self._reconcile()
         drafts: list[list[int]] = [[] for _ in range(n)]
-        if not wants:
+        have = self.pool.has_drafts
+        wants = plan_draft_lengths(self.controller, len(live), have, live, cache=have and self.pool.drafts_ahead)
+        if not wants:  # k = 0: nothing asked, nothing sent; the deltas wait for the next block
+            self._asked = None
             return drafts
-        outcome = self.pool.propose(self._step, wants)
-        for rid, i in rows.items():
+        cache_only = self.controller.cache_only
+        outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values())))
+        handed = {}
+        for rid in wants:
             seq = self.seqs[rid]
             block = outcome.blocks.get(rid)
             seq.fallback = rid in outcome.fallback
             if block is not None and block.base_len == len(seq.token_ids) and block.draft_token_ids:
                 seq.block, seq.block_base = list(block.draft_token_ids[: wants[rid]]), len(seq.token_ids)
-                drafts[i] = seq.block
+                drafts[rows[rid]] = seq.block
+                handed[rid] = block
                 self.counters["num_blocks"] += 1
+        self._asked = (outcome, handed, wants, cache_only)
         self.counters["num_proposals"] += 1
+        self.counters["num_cache_only_steps"] += cache_only
         t = self.timing
         t["draft_wait_s"] += outcome.wait_s
         t["draft_compute_s"] += outcome.compute_s
         t["draft_forward_s"] += outcome.forward_s
         return drafts
+
+    def _observe_verify(self, batch_size: int, tokens_per_row: int, verify_s: float | None, prefill: bool) -> None:
+        """The controller learns from the step vLLM just verified (the blocks asked for last step).
+        A step that also prefilled says nothing about a verify's cost and is left out."""
+        outcome, handed, asked, cache_only = self._asked if self._asked is not None else (None, {}, {}, False)
+        hits = sum(1 for b in handed.values() if b.cache_hit)
+        self.counters["num_cache_hits"] += hits
+        if verify_s is None or prefill or not batch_size:
+            return
+        self.timing["verify_s"] += verify_s
+        self.counters["num_verify_steps"] += 1
+        observe(self.controller, StepRecord(batch_size, tokens_per_row, verify_s, outcome, len(handed), hits, asked, cache_only))
+
+    def _seeded_sampled(self, rid: str) -> bool:
+        params = getattr(getattr(self.runner, "requests", {}).get(rid), "sampling_params", None)
+        return params is not None and getattr(params, "seed", None) is not None and (getattr(params, "temperature", 0.0) or 0.0) > 0
 
     # -- idle, status, shutdown -----------------------------------------------------------------
     def _idle_flush(self) -> None:
@@ -249,7 +307,7 @@ class RemoteDraftProposer:
     def status(self) -> dict:
         """Lock-free (a step may hold the lock while a draft is slow, and metrics must never wait on it)."""
         return {**(self.pool.status() if self.pool is not None else {}), **self.counters, "timing": dict(self.timing),
-                "num_seqs": len(self.seqs)}
+                "num_seqs": len(self.seqs), "speculation": self.controller.state()}
 
     def shutdown(self) -> None:
         self._stop.set()

@@ -63,7 +63,7 @@ class VLLMEngineCore(RequestQueue):
             self._key = links.park(link)
             extra["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.k}
             opts = {"link": self._key, "min_timeout_s": spec.draft_min_timeout_s, "max_timeout_s": spec.draft_timeout_s,
-                    "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id}
+                    "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id, "adaptive": spec.adaptive}
             if t.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
                 opts.update(links.portable(link))  # the proposer will run in vLLM's worker processes
             extra["additional_config"] = {"specserve": opts}
@@ -75,8 +75,10 @@ class VLLMEngineCore(RequestQueue):
         self.target = VLLMTarget(tokenizer, mc.max_model_len, mc.get_vocab_size())
         self.waiting: deque = deque()
         self.totals = SpecMetrics()
-        self.counters = {"num_steps": 0, "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0}
-        self.timing = {"wall_s": 0.0, "target_forward_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0}
+        self.counters = {"num_steps": 0, "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0,
+                         "num_proposals": 0, "num_verify_steps": 0}
+        self.timing = {"wall_s": 0.0, "target_forward_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0,
+                       "verify_s": 0.0, "specserve_s": 0.0}
         self.vllm_counters: dict = {}
         self._vllm_counters_at = 0.0
         self._vllm_counters_step = -1
@@ -138,8 +140,10 @@ class VLLMEngineCore(RequestQueue):
                 logger.exception("request %s rejected by vLLM", rid)
                 result.failed[rid] = exc
         p = self.proposer
-        before = (p._step, dict(p.timing)) if p is not None else None
+        before = (p._step, dict(p.timing), dict(p.counters)) if p is not None else None
+        engine_start = time.perf_counter()
         outputs = self.engine.step()
+        engine_s = time.perf_counter() - engine_start
         stats = p.step_stats if p is not None and p._step != before[0] else {}
         for out in outputs:
             internal = self.target.seqs.get(out.request_id)
@@ -159,13 +163,17 @@ class VLLMEngineCore(RequestQueue):
             result.deltas.append(delta)
         elapsed = time.perf_counter() - start
         t = self.timing
-        draft_s = 0.0
+        propose_s = wait_s = 0.0
         if p is not None:
-            for key in ("draft_wait_s", "draft_compute_s", "draft_forward_s"):
+            for key in ("draft_wait_s", "draft_compute_s", "draft_forward_s", "verify_s"):
                 t[key] += p.timing[key] - before[1][key]
-            draft_s = p.timing["propose_s"] - before[1]["propose_s"]
+            for key in ("num_proposals", "num_verify_steps"):
+                self.counters[key] += p.counters[key] - before[2][key]
+            propose_s = p.timing["propose_s"] - before[1]["propose_s"]
+            wait_s = p.timing["draft_wait_s"] - before[1]["draft_wait_s"]
         t["wall_s"] += elapsed
-        t["target_forward_s"] += elapsed - draft_s  # vLLM's step less the proposer's time (includes scheduling)
+        t["target_forward_s"] += engine_s - propose_s  # vLLM's step less the proposer's time (includes its scheduling)
+        t["specserve_s"] += (elapsed - engine_s) + (propose_s - wait_s)  # ours: this loop and the proposer, not the link
         self.counters["num_steps"] += 1
         self.counters["num_requests_failed"] += len(result.failed)
         if time.monotonic() - self._vllm_counters_at > VLLM_METRICS_EVERY_S:
@@ -184,10 +192,13 @@ class VLLMEngineCore(RequestQueue):
 
     def metrics(self) -> dict:
         steps = max(1, self.counters["num_steps"])
+        spec = max(1, self.counters["num_proposals"])
         t = dict(self.timing)
         per_step = {"step_ms": t["wall_s"] / steps * 1e3, "target_forward_ms": t["target_forward_s"] / steps * 1e3,
-                    "draft_wait_ms": t["draft_wait_s"] / steps * 1e3, "draft_forward_ms": t["draft_forward_s"] / steps * 1e3,
-                    "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / steps * 1e3}
+                    "verify_ms": t["verify_s"] / max(1, self.counters["num_verify_steps"]) * 1e3,  # the runner's part
+                    "draft_wait_ms": t["draft_wait_s"] / spec * 1e3, "draft_forward_ms": t["draft_forward_s"] / spec * 1e3,
+                    "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3,
+                    "overhead_ms": t["specserve_s"] / steps * 1e3}  # specserve's own time per step, beyond vLLM and the link
         totals = self.totals.to_dict()
         v = self.vllm_counters
         if self.proposer is None and self.k and v:  # the proposer runs in vLLM's workers: vLLM's own counts
@@ -201,7 +212,11 @@ class VLLMEngineCore(RequestQueue):
                "num_waiting": len(self.waiting), "backend": "vllm", "vllm": dict(self.vllm_counters),
                "speculation": {"k": self.k, "max_k": self.k, "adaptive": False}}
         if self.proposer is not None:
-            out["drafts"] = self.proposer.status()
+            status = self.proposer.status()
+            out["drafts"] = status
+            out["speculation"] = status["speculation"]
+            for key in ("num_cache_hits", "num_blocks", "num_cache_only_steps"):
+                out[key] = status[key]
         return out
 
     def shutdown(self) -> None:

@@ -97,19 +97,59 @@ def test_apply_is_constant_time_in_the_context_length(tiny_pair):
     assert CountingList.copies == 0 and len(seq.token_ids) == 203
 
 
-@pytest.mark.parametrize("target_info, draft_info, ahead", [
-    ({"in_process": True}, {"ip": "10.0.0.1", "device": "cpu"}, False),  # one process: shared cores
-    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.1", "device": "cpu"}, False),  # one host's CPU
-    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.2", "device": "cpu"}, True),  # another host
-    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.1", "device": "cuda"}, True),  # the draft on a GPU
-    ({"ip": "10.0.0.1", "device": "cpu"}, {"ip": "10.0.0.1", "device": "cpu", "backend": "sim"}, True),  # a modelled device
+HOST_A, HOST_B = "boot-a", "boot-b"
+
+
+def _where(host, cpus, device="cpu", gpu=None, simulated=False) -> dict:
+    return {"host": host, "cpus": cpus, "device": device, "gpu": gpu, "simulated": simulated}
+
+
+@pytest.mark.parametrize("target, draft, ahead", [
+    (_where(HOST_A, [0]), _where(HOST_A, [1]), True),  # one host, disjoint cores (two pinned Ray nodes)
+    (_where(HOST_A, [0, 1]), _where(HOST_A, [1, 2]), False),  # one host, overlapping cores
+    (_where(HOST_A, [0, 1]), _where(HOST_A, [0, 1]), False),  # one process (in-process LLM): the same cores
+    (_where(HOST_A, [0, 1]), _where(HOST_B, [0, 1]), True),  # two hosts (same core numbers mean nothing)
+    (_where(HOST_A, [0], "cuda:0", "GPU-0"), _where(HOST_A, [0], "cuda:1", "GPU-1"), True),  # two GPUs of one host
+    (_where(HOST_A, [0], "cuda:0", "GPU-0"), _where(HOST_A, [1], "cuda:0", "GPU-0"), False),  # one GPU
+    (_where(HOST_A, [0, 1]), _where(HOST_A, [0, 1], "cuda:0", "GPU-0"), True),  # the draft on a GPU, the target on CPUs
+    (_where(HOST_A, [0, 1]), _where(HOST_A, [0, 1], simulated=True), True),  # a modelled device of its own
+    (None, _where(HOST_A, [0]), True),  # a target that does not say where it runs: assumed separate
 ])
-def test_auto_drafting_ahead_is_off_only_where_the_sides_share_cores(target_info, draft_info, ahead):
+def test_auto_drafting_ahead_is_off_only_where_the_draft_shares_its_targets_compute(target, draft, ahead):
     from specserve.draft import NgramDrafter
     from specserve.draft_service import DraftService
     from specserve.messages import Hello
 
-    service = DraftService(NgramDrafter(), None, "d0", draft_info, ahead="auto")  # n-gram: no vocabulary to match
-    reply = service.hello("c0", Hello("t0", {"tokenizer_sha": None, "vocab_size": 8}, target_info))
+    class CachingDrafter(NgramDrafter):
+        fanout = 2  # pretends to keep a speculation cache: only the placement decides
+
+    service = DraftService(CachingDrafter(), None, "d0", {"placement": draft}, ahead="auto")  # no vocabulary to match
+    reply = service.hello("c0", Hello("t0", {"tokenizer_sha": None, "vocab_size": 8}, {"placement": target} if target else {}))
     assert reply.error is None
     assert ("c0" not in service.no_ahead) is ahead
+    assert reply.info["draft_ahead"] is ahead and reply.info["draft_ahead_reason"].startswith("auto, ")
+    assert service.metrics()["by_target"]["t0"]["draft_ahead"] is ahead
+
+
+def test_placement_reports_this_process():
+    import os
+
+    from specserve.devices import placement, shares_compute
+
+    here = placement("cpu")
+    assert here["cpus"] == sorted(os.sched_getaffinity(0)) and here["host"] and here["gpu"] is None
+    assert shares_compute(here, placement("cpu")) == (True, f"same host, overlapping CPU cores ({len(here['cpus'])} shared)")
+
+
+@pytest.mark.parametrize("ahead, expected", [(True, True), (False, False)])
+def test_explicit_drafting_ahead_overrides_the_placement(ahead, expected):
+    from specserve.draft import NgramDrafter
+    from specserve.draft_service import DraftService
+    from specserve.messages import Hello
+
+    class CachingDrafter(NgramDrafter):
+        fanout = 2
+
+    service = DraftService(CachingDrafter(), None, "d0", {"placement": _where(HOST_A, [0])}, ahead=ahead)
+    reply = service.hello("c0", Hello("t0", {"tokenizer_sha": None, "vocab_size": 8}, {"placement": _where(HOST_A, [0])}))
+    assert reply.info["draft_ahead"] is expected

@@ -4,8 +4,9 @@ A fake model runner constructs the proposer the way vLLM's does and drives ``pro
 vLLM's arguments; a fake draft endpoint records every ``ProposeRequest`` and answers a
 fixed continuation. Checked: opens carry the whole prompt, results carry base_len /
 accepted prefix / appended tokens, finished requests are closed, rows are matched by
-request id whatever their order, drafts respect max_tokens, and a failing draft means empty
-proposals instead of an exception.
+request id whatever their order, drafts respect max_tokens, a failing draft means empty
+proposals instead of an exception, and with adaptive k a k = 0 step sends nothing while the
+controller learns the verify's cost from the runner's own steps.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ class FakeDraft:
 class FakeModelRunner:
     """The parts of vLLM's GPUModelRunner the proposer reads."""
 
-    def __init__(self, draft: FakeDraft, max_tokens: int = 50):
+    def __init__(self, draft: FakeDraft, max_tokens: int = 50, adaptive: bool = False):
         key = links.park(DraftLink(lambda: {"fake": draft}, lambda name, d: d, "target-test", background=False))
         config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                                  model_config=SimpleNamespace(max_model_len=MAX_LEN),
-                                 additional_config={"specserve": {"link": key, "vocab": VOCAB}})
+                                 additional_config={"specserve": {"link": key, "vocab": VOCAB, "adaptive": adaptive}})
         self.input_batch = SimpleNamespace(req_ids=[])
         self.requests: dict = {}
         self.max_tokens = max_tokens
@@ -73,9 +74,13 @@ class FakeModelRunner:
     def _on_request_state_removed(self, req_id, req_state):
         self.removed.append(req_id)
 
+    def execute_model(self, scheduler_output=None):
+        """vLLM's worker calls this first each step (the proposer times the verify from here)."""
+
     def step(self, rows: dict[str, list[int]]):
         """One engine step: ``rows`` maps each request, in batch order, to the tokens it committed
         in this step (a new request: its prompt, then its first token)."""
+        self.execute_model()
         self.input_batch.req_ids = list(rows)
         sampled = []
         for i, (rid, new) in enumerate(rows.items()):
@@ -152,3 +157,31 @@ def test_without_a_draft_named_the_proposer_refuses_to_start(monkeypatch):
 
     with pytest.raises(ValueError, match="SPECSERVE_DRAFT_ADDRESS"):
         Runner()
+
+
+def test_k_zero_steps_send_nothing_and_the_next_block_catches_the_draft_up():
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft, adaptive=True)
+    controller = runner.drafter.controller
+    controller.choose = lambda batch_size, have_draft=True, cache=False: 0  # speculation does not pay: k = 0 for the whole batch
+    assert runner.step({"a": [1, 2, 3]}) == [[]]
+    assert runner.step({"a": [4]}) == [[]] and runner.step({"a": [5]}) == [[]]
+    assert draft.requests == []  # not even the open went out: k = 0 steps cost no round trip
+    controller.choose = lambda batch_size, have_draft=True, cache=False: K  # it pays again
+    assert runner.step({"a": [6]}) == [[7, 8, 9]]
+    (req,) = draft.requests
+    assert [o.request_id for o in req.opens] == ["a"] and draft.tokens["a"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_controller_learns_the_verify_cost_from_the_runners_steps():
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft, adaptive=True)
+    runner.step({"a": [1, 2, 3], "b": [4, 5]})  # a prefill step: says nothing about a verify's cost
+    assert runner.drafter.controller.target_cost == {}
+    for i in range(8):
+        out = runner.step({"a": [10 + i], "b": [20 + i]})
+        assert all(len(block) <= K for block in out)
+    assert runner.drafter.counters["num_verify_steps"] == 8
+    fit = runner.drafter.controller.target_cost[2]  # batch 2's bucket: one sample per verify step
+    assert len(fit.samples) == 8 and {n for n, _ in fit.samples} <= set(range(1, K + 2))
+    assert runner.drafter.status()["speculation"]["adaptive"] is True
