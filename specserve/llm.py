@@ -4,15 +4,19 @@ In-process by default: the target and the draft run in this process, on the same
 and the same messages as the distributed path (the draft behind an in-process endpoint,
 drafting ahead on its own thread). With ``ray=True`` the sides run as Ray actors on the
 nodes the configuration selects (``specserve.distributed``). Outputs come back in input
-order; ``stream`` yields deltas and any number of streams may run at once.
+order; ``stream`` yields deltas and any number of streams may run at once. ``shutdown`` (or
+``with LLM(...)``) stops everything in order; an ``LLM`` that is garbage-collected or still
+alive at interpreter exit is shut down the same way, so a script may simply end.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -86,6 +90,12 @@ class LLM:
         else:
             self._engine = LocalEngine(self.config)
         self.tokenizer = self._engine.tokenizer
+        # Stop the engine's threads and actors when this object is collected, or at exit if it is
+        # still alive: the exit hook is registered after Ray's (hooks run last-in, first-out), so it
+        # runs while Ray and torch are intact, instead of daemon threads dying inside a forward.
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self._engine)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
 
     @classmethod
     def from_config(cls, config: "SpecserveConfig | dict | str | Path", ray: bool = False, **overrides) -> "LLM":
@@ -105,14 +115,22 @@ class LLM:
 
     def shutdown(self) -> None:
         if self._engine is not None:
-            self._engine.shutdown()
             self._engine = None
+            atexit.unregister(self._finalizer)
+            self._finalizer()  # runs the engine's shutdown once, whoever calls first
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _shutdown_engine(engine) -> None:
+    try:
+        engine.shutdown()
+    except Exception:  # at exit or in a collector: say what failed, never raise
+        logger.exception("shutting down the engine failed")
 
 
 class LocalEngine:

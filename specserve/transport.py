@@ -207,7 +207,10 @@ class LocalEndpoint:
             time.sleep(self.delay_s)
         self._reply = self.service.handle(self.conn, req)
         if self._ahead is not None:
-            self._ahead.submit(self.service.prepare, self.conn)
+            try:
+                self._ahead.submit(self.service.prepare, self.conn)
+            except RuntimeError:  # the interpreter is exiting (executors refuse work): no drafting ahead
+                pass
 
     def recv(self, timeout_s: float) -> ProposeReply:
         reply, self._reply = self._reply, None
