@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +84,66 @@ def tiny_pair(tmp_path_factory):
         "unrelated": str(root / "unrelated"),
         "target_model": target,
     }
+
+
+def wait_until(condition, timeout: float, interval: float = 0.1, message: str = "condition"):
+    """Poll ``condition()`` until it returns something truthy (returned) or ``timeout`` seconds pass
+    (AssertionError naming ``message``). Timeouts here are sized for a loaded 2-core machine: several
+    times the usual wait, never the expected time, since a passing test returns as soon as it holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message}: not within {timeout:g}s (last value {value!r})")
+        time.sleep(interval)
+
+
+def demo_acceptance_range() -> tuple[float, float]:
+    """The demo acceptance-rate range the demo target's model card states ("demo acceptance range: a-b")."""
+    card = Path(__file__).resolve().parents[1] / "specserve" / "demo_models" / "target" / "README.md"
+    m = re.search(r"demo acceptance range[^0-9]*([0-9.]+)\s*[-–]\s*([0-9.]+)", card.read_text(), re.I)
+    assert m, f"{card} must state the demo acceptance range"
+    return float(m.group(1)), float(m.group(2))
+
+
+@pytest.fixture
+def ordered_draft_ahead(monkeypatch):
+    """In-process drafting ahead, in the order the TCP draft server keeps.
+
+    ``LocalEndpoint`` answers a request and then hands ``prepare`` (drafting ahead) to a helper
+    thread, which races the engine's next request for the draft's lock: on a loaded machine the
+    next request can win, get a miss, and the number of speculation-cache hits moves with thread
+    scheduling even with ``draft_ahead_preempt=False``. The TCP ``DraftServer`` drafts ahead on
+    its serving thread before it reads the next request; this fixture makes the in-process
+    endpoint do the same (each request first waits for the previous ``prepare``), so hits and
+    misses follow from the outputs alone. Outputs are unaffected either way.
+    """
+    from specserve.transport import LocalEndpoint
+
+    original = LocalEndpoint.send
+
+    def send(self, req):
+        if self._ahead is not None:
+            self._ahead.submit(lambda: None).result()  # one FIFO worker: the previous prepare is done
+        return original(self, req)
+
+    monkeypatch.setattr(LocalEndpoint, "send", send)
+
+
+def private_ports() -> dict:
+    """Head-node arguments that keep a test cluster off Ray's fixed default ports.
+
+    The dashboard (8265) and the head's dashboard agent (52365) otherwise collide with any other
+    Ray on the machine (another test's cluster still shutting down, a benchmark, someone else's):
+    the dashboard then does not start, and with it go the state API (``list_actors``) and
+    ``serve deploy``. The agent picks a free port when given none.
+    """
+    return {"dashboard_port": free_port(), "dashboard_agent_listen_port": None}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

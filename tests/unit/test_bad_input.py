@@ -27,16 +27,16 @@ def test_sampling_params_validation(kwargs, match):
 
 
 def test_prompt_longer_than_context(tiny_pair):
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], dtype="float64")
-    with pytest.raises(ValueError, match="request 0: prompt has 300 tokens.*max_model_len.*256"):
-        llm.generate([[1] * 300], use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt is empty"):
-        llm.generate([[]], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 64\)"):
-        llm.generate([[1, 99]], use_tqdm=False)
-    # Nothing half-started: the engine still works and holds no sequence.
-    assert llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finish_reason == "length"
-    assert llm._engine.target.num_seqs == 0
+    with LLM(tiny_pair["target"], draft=tiny_pair["same"], dtype="float64") as llm:
+        with pytest.raises(ValueError, match="request 0: prompt has 300 tokens.*max_model_len.*256"):
+            llm.generate([[1] * 300], use_tqdm=False)
+        with pytest.raises(ValueError, match="prompt is empty"):
+            llm.generate([[]], use_tqdm=False)
+        with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 64\)"):
+            llm.generate([[1, 99]], use_tqdm=False)
+        # Nothing half-started: the engine still works and holds no sequence.
+        assert llm.generate([[1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finish_reason == "length"
+        assert llm._engine.target.num_seqs == 0
 
 
 def test_vocabularies_that_cannot_be_matched(tmp_path, tiny_pair):
@@ -73,16 +73,16 @@ def test_unknown_keyword_is_a_type_error(tiny_pair):
 
 def test_string_prompt_without_tokenizer(tmp_path):
     make_model(tmp_path / "notok")
-    llm = LLM(str(tmp_path / "notok"), draft="ngram")
-    with pytest.raises(ValueError, match=r"prompts\[0\] is a string but the target has no tokenizer"):
-        llm.generate(["hello"], use_tqdm=False)
-    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].token_ids) == 3
+    with LLM(str(tmp_path / "notok"), draft="ngram") as llm:
+        with pytest.raises(ValueError, match=r"prompts\[0\] is a string but the target has no tokenizer"):
+            llm.generate(["hello"], use_tqdm=False)
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].token_ids) == 3
 
 
 def test_mismatched_params_list(tiny_pair):
-    llm = LLM(tiny_pair["target"])
-    with pytest.raises(ValueError, match="sampling_params has 1 entries but there are 2 prompts"):
-        llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+    with LLM(tiny_pair["target"]) as llm:
+        with pytest.raises(ValueError, match="sampling_params has 1 entries but there are 2 prompts"):
+            llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
 
 
 def test_missing_model_directory(tmp_path, tiny_pair):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 import torch
@@ -19,6 +19,8 @@ from specserve.pool import DraftPool
 from specserve.reference import reference_generate
 from specserve.target import TargetSide
 from specserve.transport import DraftServer, SocketEndpoint
+
+from ..conftest import wait_until
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -104,9 +106,8 @@ def test_a_forward_that_raises_is_narrowed_to_its_rows(tiny_pair, reference, mon
 
         for i, p in enumerate(PROMPTS):
             llm._engine.loop.submit(f"r{i}", p, GREEDY, sink_for(i))
-        deadline = time.time() + 30
-        while len(failed) + sum(len(v) == GREEDY.max_tokens for v in done.values()) < len(PROMPTS) and time.time() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: len(failed) + sum(len(v) == GREEDY.max_tokens for v in done.values()) == len(PROMPTS), 120, 0.02,
+                   "every request finished or failed")
         assert list(failed) == [7]
         assert {i: done[i] for i in done if i != 7} == {i: reference[i] for i in range(len(PROMPTS)) if i != 7}
 
@@ -116,8 +117,11 @@ def make_core(tiny_pair, drafts: dict, k=3) -> EngineCore:
                                num_speculative_tokens=k, adaptive=False)
     target = build_target(cfg)
     core = EngineCore(target, None, SpeculationController(k, adaptive=False), 64)
+    # A generous reply timeout: on a loaded machine a slow (not dead) draft must not be dropped, or
+    # the failure and resync counts below would move with the load. A closed draft fails at once.
     core.pool = DraftPool(discover=lambda: dict(drafts), connect=lambda name, address: SocketEndpoint(address),
-                          hello=Hello("t0", target.vocab_fingerprint()), reopen=core.reopen, background=True, refresh_s=0.1)
+                          hello=Hello("t0", target.vocab_fingerprint()), reopen=core.reopen, background=True, refresh_s=0.1,
+                          min_timeout_s=30.0, max_timeout_s=60.0)
     return core, cfg
 
 
@@ -125,12 +129,22 @@ def test_two_drafts_over_tcp_share_sequences_and_survive_one_dying(tiny_pair, re
     cfg = SpecserveConfig.load(target=tiny_pair["target"], draft=tiny_pair["perturbed"], dtype="float64")
     servers = [DraftServer(build_draft_service(cfg, f"d{i}"), host="127.0.0.1", advertise_host="127.0.0.1") for i in range(2)]
     core, _ = make_core(tiny_pair, {f"d{i}": s.address for i, s in enumerate(servers)})
+    # Pause the engine after its third speculative step, so the checks below and the kill happen
+    # mid-run whatever the machine's speed (a sleep or a poll could see every request finished).
+    paused, resume = threading.Event(), threading.Event()
+    step = core.step
+
+    def gated_step():
+        result = step()
+        if core.counters["num_speculative_steps"] >= 3 and not resume.is_set():
+            paused.set()
+            resume.wait(120)
+        return result
+
+    core.step = gated_step
     loop = EngineLoop(core)
     try:
-        deadline = time.time() + 10
-        while len(core.pool.drafts) < 2 and time.time() < deadline:
-            time.sleep(0.05)
-        assert len(core.pool.drafts) == 2
+        wait_until(lambda: len(core.pool.drafts) == 2, 60, 0.05, "both drafts connected")
         outs: dict[int, list[int]] = {}
         errors = []
         done = set()
@@ -145,16 +159,14 @@ def test_two_drafts_over_tcp_share_sequences_and_survive_one_dying(tiny_pair, re
                     done.add(i)
             return sink
 
-        for i, p in enumerate(PROMPTS):
-            loop.submit(f"r{i}", p, GREEDY, sink_for(i))
-        while core.counters["num_speculative_steps"] < 3:
-            time.sleep(0.005)
+        loop.submit_many([(f"r{i}", p, GREEDY, sink_for(i)) for i, p in enumerate(PROMPTS)])  # admitted in one step
+        assert paused.wait(120), "the engine never made three speculative steps"
+        assert not done  # 24 tokens at most 4 per step: nobody has finished after three steps
         assert all(d.seqs for d in core.pool.drafts.values())  # sequences spread over both drafts
         assert {s.service.num_seqs > 0 for s in servers} == {True}
         servers[0].close()  # kill one draft mid-run
-        deadline = time.time() + 60
-        while len(done) + len(errors) < len(PROMPTS) and time.time() < deadline:
-            time.sleep(0.02)
+        resume.set()
+        wait_until(lambda: len(done) + len(errors) == len(PROMPTS), 120, 0.02, "every request finished")
         assert errors == []
         assert [outs[i] for i in range(len(PROMPTS))] == reference
         status = core.pool.status()
@@ -174,7 +186,7 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path):
     server = DraftServer(build_draft_service(cfg, "wrong"), host="127.0.0.1", advertise_host="127.0.0.1")
     core, _ = make_core(tiny_pair, {"wrong": server.address})
     try:
-        core.pool.wait_for_drafts(10)
+        core.pool.wait_for_drafts(60)  # returns as soon as the draft has answered (here: refused)
         assert not core.pool.drafts and "vocab_size 80 (draft) != 64 (target)" in core.pool.refused["wrong"]
     finally:
         core.pool.shutdown()

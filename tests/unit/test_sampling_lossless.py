@@ -66,7 +66,9 @@ def chi2_pvalue(samples, expected_probs):
     "temperature, top_k, top_p, draft_probs, ahead",
     [(1.0, 0, 1.0, True, True), (1.0, 0, 1.0, False, True), (0.8, 5, 1.0, True, False), (1.0, 0, 0.8, True, True)],
 )
-def test_first_two_tokens_follow_target(small_vocab_pair, temperature, top_k, top_p, draft_probs, ahead):
+def test_first_two_tokens_follow_target(small_vocab_pair, temperature, top_k, top_p, draft_probs, ahead, ordered_draft_ahead):
+    # k fixed, preempt off, drafting ahead ordered before each request (ordered_draft_ahead): the
+    # cache-hit count follows from the seeded outputs, not from thread scheduling.
     target, draft = small_vocab_pair
     with LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64", draft_probs=draft_probs, adaptive=False,
              draft_ahead=ahead, draft_ahead_preempt=False, fanout=VOCAB) as llm:  # fanout = vocab: frequent cache hits

@@ -29,7 +29,7 @@ def free_run(tiny_pair):
 def assert_caches_empty(llm):
     engine = llm._engine
     assert engine.target.num_seqs == 0 and engine.target.backend.num_seqs == 0
-    deadline = time.time() + 5  # closes reach the draft with the next request, or when the engine idles
+    deadline = time.time() + 30  # closes reach the draft with the next request, or when the engine idles (4 times a second)
     while engine.draft_service.num_seqs and time.time() < deadline:
         time.sleep(0.01)
     assert engine.draft_service.num_seqs == 0 and engine.draft_service.drafter.backend.num_seqs == 0
@@ -54,12 +54,12 @@ def test_stop_token_ids_cut_inside_an_accepted_block(llm, free_run):
 
 def test_eos_stops_unless_ignored(tiny_pair, free_run):
     eos = free_run[0][3]
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", adaptive=False)
-    llm._engine.target.eos_token_ids = {eos}
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
-    assert out.token_ids == free_run[0][: free_run[0].index(eos) + 1] and out.finish_reason == "stop"
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
-    assert out.token_ids == free_run[0] and out.finish_reason == "length"
+    with LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", adaptive=False) as llm:
+        llm._engine.target.eos_token_ids = {eos}
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+        assert out.token_ids == free_run[0][: free_run[0].index(eos) + 1] and out.finish_reason == "stop"
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+        assert out.token_ids == free_run[0] and out.finish_reason == "length"
 
 
 def test_stop_strings(llm, free_run):
@@ -91,9 +91,9 @@ def test_later_requests_unaffected_by_earlier_stops(llm, free_run):
 
 
 def test_context_limit_finishes_with_length(tiny_pair):
-    llm = LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", max_model_len=20,
-              adaptive=False)
-    out = llm.generate([list(range(5, 15))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    with LLM(tiny_pair["target"], draft=tiny_pair["same"], num_speculative_tokens=8, dtype="float64", max_model_len=20,
+             adaptive=False) as llm:
+        out = llm.generate([list(range(5, 15))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
 

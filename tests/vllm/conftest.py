@@ -42,7 +42,9 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # inherited by the actors
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {ROLE: "target"}})
+    from ..conftest import private_ports
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "labels": {ROLE: "target"}, **private_ports()})
     cluster.add_node(num_cpus=2, labels={ROLE: "draft"})
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()

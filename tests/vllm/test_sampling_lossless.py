@@ -41,7 +41,8 @@ def small_vocab_pair(tmp_path_factory):
 def llm(ray_cluster, small_vocab_pair):
     target, draft = small_vocab_pair
     llm = LLM(target, draft=draft, ray=True, target_backend="vllm", target_backend_options=VLLM_OPTIONS,
-              num_speculative_tokens=3, target_num_cpus=0.5, draft_num_cpus=0.5, max_num_seqs=256)
+              num_speculative_tokens=3, target_num_cpus=0.5, draft_num_cpus=0.5, max_num_seqs=256,
+              draft_min_timeout_s=5.0, adaptive=False)  # a slow draft is not a dead one; fixed k: the drafted count stays put
     yield llm
     llm.shutdown()
 
