@@ -53,6 +53,7 @@ class DraftSeq:
     block_cands: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per block slot + bonus slot
     cache: dict[tuple[int, int], Branch] = field(default_factory=dict)  # (num_accepted, token) -> branch
     num_asked: int = 0  # draft tokens the target last asked for (the depth drafting ahead aims at)
+    vocab_limit: int | None = None  # the target emits ids below this only (a wider draft LM head is masked to it)
     verdict: tuple[int, int, int] | None = None  # (base_len, num_accepted, last token) of the last result
 
     @property
@@ -121,9 +122,10 @@ class NgramDrafter:
 class DraftSide:
     """Owns one target connection's sequences; speaks ``ProposeRequest`` -> ``ProposeReply``."""
 
-    def __init__(self, drafter: Drafter, namespace: str = ""):
+    def __init__(self, drafter: Drafter, namespace: str = "", vocab_limit: int | None = None):
         self.drafter = drafter
         self.namespace = namespace
+        self.vocab_limit = vocab_limit  # the target's vocabulary size when the draft's LM head is wider
         self.seqs: dict[str, DraftSeq] = {}
         self._proposed: list[DraftSeq] = []  # sequences whose block prepare() continues
         self._budget_s = 0.0  # the target's estimate of the time until its next request
@@ -132,7 +134,7 @@ class DraftSide:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
             self.close(msg.request_id)
         seq = DraftSeq(msg.request_id, f"{self.namespace}{msg.request_id}", list(msg.token_ids), msg.temperature,
-                       msg.top_k, msg.top_p, msg.seed)
+                       msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit)
         self.drafter.open(seq)
         self.seqs[msg.request_id] = seq
 

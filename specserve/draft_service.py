@@ -57,7 +57,8 @@ class DraftService:
             old = self.sides.pop(conn, None)
             if old is not None:
                 old.close_all()
-            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/")
+            widths = _widths(msg.vocab, self.fingerprint)
+            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/", vocab_limit=widths[0])
             self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
             ahead, why = self._ahead_for(msg.info)
             if ahead:
@@ -66,8 +67,10 @@ class DraftService:
                 self.no_ahead.add(conn)
             self.ahead_by_conn[conn] = (ahead, why)
             self.counters["num_connections"] += 1
-        logger.info("target %s connected as %s: drafting ahead %s (%s)", msg.target_id, conn, "on" if ahead else "off", why)
-        return HelloReply(self.draft_id, self.fingerprint, None, {**self.info, "draft_ahead": ahead, "draft_ahead_reason": why})
+        logger.info("target %s connected as %s: drafting ahead %s (%s)%s", msg.target_id, conn, "on" if ahead else "off", why,
+                    f"; {widths[1]}" if widths[1] else "")
+        return HelloReply(self.draft_id, self.fingerprint, None, {**self.info, "draft_ahead": ahead, "draft_ahead_reason": why,
+                                                                  "vocab_note": widths[1]})
 
     def _ahead_for(self, target_info: dict) -> tuple[bool, str]:
         """Whether this connection gets drafting ahead, and why (said once per connection)."""
@@ -152,3 +155,13 @@ class DraftService:
             entry["draft_ahead"], entry["draft_ahead_reason"] = self.ahead_by_conn.get(conn, (False, ""))
         return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs, "by_target": by_target,
                 "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s}
+
+
+def _widths(target: dict | None, draft: dict | None) -> tuple[int | None, str | None]:
+    """(the id limit the draft must keep to, or None; what to say about the two LM-head widths)."""
+    t, d = (target or {}).get("vocab_size"), (draft or {}).get("vocab_size")
+    if not t or not d or t == d:
+        return None, None
+    if d > t:
+        return t, f"the draft's LM head is wider than the target's ({d} vs {t} ids): it proposes ids below {t} only"
+    return None, f"the target's LM head is wider than the draft's ({t} vs {d} ids): ids from {d} up are never drafted"

@@ -177,7 +177,8 @@ def _array(value) -> np.ndarray:
         dtype = np.dtype(value["dtype"])
         if dtype.kind != "f" or not isinstance(value["data"], bytes):
             raise TypeError("not a float array")
-        return np.frombuffer(value["data"], dtype=dtype).reshape(value["shape"])
+        # A writable copy: torch wraps these rows as they are (it warns on read-only memory).
+        return np.frombuffer(bytearray(value["data"]), dtype=dtype).reshape(value["shape"])
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"bad draft_probs array: {exc}") from None
 

@@ -75,8 +75,10 @@ class ModelDrafter:
 
         logits: [rows, vocab]. Greedy rows (and every row when probabilities are not sent:
         a point mass must be deterministic) take the argmax; sampled rows draw from q with the
-        uniform keyed by (seed, position).
+        uniform keyed by (seed, position). Ids the target cannot emit (a wider draft LM head)
+        are masked first, so q is exactly what the drafts are drawn from.
         """
+        logits = self._mask_beyond_target(seqs, logits)
         tokens = logits.argmax(dim=-1)
         probs_out: list[np.ndarray | None] = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.greedy and self.send_probs]
@@ -100,6 +102,20 @@ class ModelDrafter:
             # .tolist(): candidates choose next round's branches on the host.
             cands = list(zip(top.indices.tolist(), top.values.tolist()))
         return tokens.tolist(), probs_out, cands
+
+    @staticmethod
+    def _mask_beyond_target(seqs: list[DraftSeq], logits: torch.Tensor) -> torch.Tensor:
+        width = logits.shape[-1]
+        limits = [s.vocab_limit or width for s in seqs]
+        if min(limits) >= width:
+            return logits
+        logits = logits.clone()
+        if len(set(limits)) == 1:
+            logits[:, limits[0]:] = float("-inf")
+        else:
+            for row, limit in enumerate(limits):
+                logits[row, limit:] = float("-inf")
+        return logits
 
     def _time(self, start: float, rows: int) -> None:
         elapsed, bucket = time.perf_counter() - start, _bucket(rows)

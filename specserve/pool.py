@@ -6,7 +6,9 @@ sequence's life, so that draft's KV stays warm) and queues its ``OpenSeq``; ``re
 drafted for it); ``propose`` sends one ``ProposeRequest`` to every draft with wanted
 sequences before waiting on any, then collects the replies. A draft that fails, times out or
 sends garbage is dropped: its sequences move to another live draft (re-opened with their
-full tokens) or continue target-only, and move back when a draft connects. Discovery and
+full tokens) or continue target-only, and move back when a draft connects. Every block a
+draft returns is checked against what was asked before anyone verifies it
+(``reply_check.check_block``): repaired or dropped, counted, and said once per draft. Discovery and
 reconnection run on a background thread, so a dead address never stalls a step. Knows
 nothing of Ray: ``discover`` returns {name: address}, ``connect`` turns one into an endpoint.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .messages import CloseSeq, DraftBlock, Hello, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
+from .reply_check import check_block
 from .transport import DraftUnavailable
 
 logger = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class _Draft:
     latency_s: float = 0.0  # running estimate of one request's round trip (requests without prompts to catch up on)
     catchup_s: float = 1e-3  # running estimate of the draft's time per prompt token it catches up on
     last_ok: float = field(default_factory=time.monotonic)  # when it last answered
+    warned: bool = False  # a rejected reply was logged (once per draft)
 
     @property
     def has_deltas(self) -> bool:
@@ -75,7 +79,9 @@ class DraftPool:
         self.orphans: set[str] = set()  # live sequences without a draft (target-only until one connects)
         self.refused: dict[str, str] = {}  # draft name -> why it refused this target (vocabulary)
         self._closed_tensor_bytes = 0  # bytes of probabilities received over links since dropped
-        self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0}
+        self.committed: dict[str, int] = {}  # request id -> committed length, as the drafts will have heard it
+        self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
+        self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0}
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
         self._stop = threading.Event()
@@ -161,6 +167,7 @@ class DraftPool:
         d = self._least_loaded()
         if msg is None:
             return
+        self.committed[rid] = len(msg.token_ids)
         if d is None:
             self.orphans.add(rid)
             return
@@ -172,6 +179,7 @@ class DraftPool:
         self._assign(rid)
 
     def result(self, r: VerifyResult) -> None:
+        self.committed[r.request_id] = r.committed_len
         name = self.assignment.get(r.request_id)
         if name is None:
             return  # orphan: it will be re-opened with its full tokens
@@ -181,6 +189,7 @@ class DraftPool:
 
     def close(self, rid: str) -> None:
         self.orphans.discard(rid)
+        self.committed.pop(rid, None)
         name = self.assignment.pop(rid, None)
         if name is None:
             return
@@ -268,8 +277,7 @@ class DraftPool:
             else:
                 d.latency_s = 0.8 * d.latency_s + 0.2 * elapsed
             d.last_ok = time.monotonic()
-            for b in reply.blocks:
-                out.blocks[b.request_id] = b
+            self._accept(d, reply, dict(zip(req.request_ids, req.num_draft_tokens)), out.blocks)
             for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
                 if self.assignment.get(rid) == d.name:
                     self.counters["num_resyncs"] += 1
@@ -283,6 +291,22 @@ class DraftPool:
             out.draft_step_s = max(out.draft_step_s, s.draft_step_s)
         out.wait_s = time.perf_counter() - start
         return out
+
+    def _accept(self, d: _Draft, reply: ProposeReply, asked: dict[str, int], blocks: dict[str, DraftBlock]) -> None:
+        """The reply's blocks that are safe to verify, into ``blocks`` (see ``reply_check``)."""
+        for b in reply.blocks:
+            if b.request_id not in asked or b.request_id in blocks:
+                why, checked = f"a block for {'a sequence it was not asked about' if b.request_id not in asked else 'the same sequence twice'}", None
+            else:
+                checked, why = check_block(b, asked[b.request_id], self.committed.get(b.request_id), self.vocab_size or 1 << 62)
+            if checked is not None:
+                blocks[b.request_id] = checked
+            if why is not None:
+                self.counters["draft_replies_rejected"] += 1
+                if not d.warned:
+                    d.warned = True
+                    logger.warning("draft %s sent %s: repaired before verification (exact; counted in draft_replies_rejected, "
+                                   "said once per draft)", d.name, why)
 
     def flush(self, step: int, heartbeat_s: float = 1.0) -> None:
         """Idle engine: deliver queued deltas (closes above all), and ping drafts that have been

@@ -198,6 +198,9 @@ class LocalEndpoint:
         self.conn = f"{name}-{next(_conn_ids)}"
         self._reply: ProposeReply | None = None
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="specserve-draft-ahead") if service.drafts_ahead else None
+        self._pending = None  # the last drafting-ahead job
+        # Without preemption drafting ahead finishes before the next request, as the TCP server keeps it.
+        self._ordered = not getattr(service.drafter, "preempt", True)
 
     def hello(self, msg: Hello, timeout_s: float) -> HelloReply:
         return self.service.hello(self.conn, msg)
@@ -205,12 +208,14 @@ class LocalEndpoint:
     def send(self, req: ProposeRequest) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
+        if self._ordered and self._pending is not None:
+            self._pending.result()
         self._reply = self.service.handle(self.conn, req)
         if self._ahead is not None:
             try:
-                self._ahead.submit(self.service.prepare, self.conn)
+                self._pending = self._ahead.submit(self.service.prepare, self.conn)
             except RuntimeError:  # the interpreter is exiting (executors refuse work): no drafting ahead
-                pass
+                self._pending = None
 
     def recv(self, timeout_s: float) -> ProposeReply:
         reply, self._reply = self._reply, None

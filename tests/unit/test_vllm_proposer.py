@@ -23,7 +23,7 @@ from specserve.vllm import RemoteDraftProposer
 from specserve.vllm import link as links
 
 K, MAX_LEN = 3, 64
-VOCAB = {"tokenizer_sha": None, "num_tokens": None, "vocab_size": 100}
+VOCAB = {"tokenizer_sha": None, "num_tokens": None, "vocab_size": 1000}
 
 
 class FakeDraft:
