@@ -16,11 +16,15 @@ the whole batch the wait (prior: (1 - hit rate^B) x the draft's step time). The 
 maximises E / cost (vLLM's and SGLang's rule, with costs measured online instead of profiled
 at start-up); cache-only is what keeps a remote draft paying at serving batch sizes.
 ``t_target`` is a per-batch-size linear fit in the tokens per row. The first
-``warmup_steps`` cycle through k and both modes so every estimate has data, and one step in
+``warmup_steps`` of each batch-size bucket cycle through k and both modes so every estimate
+of that bucket has data (costs differ by batch size: a batch of 32 must not inherit a batch
+of 1's choice and never measure its own k = 0), and one step in
 ``probe_every`` tries a neighbour of the choice (the configured k when speculation is off,
-or the other mode) so acceptance, coverage, the link and the costs keep being measured.
-``budget`` is how long the draft has between its reply and the next request (the predicted
-verify + link): the draft sizes its speculation tree to it. ``predict`` returns the whole
+or the other mode) so acceptance, coverage, the link and the costs keep being measured; a
+cache-only step is only ever tried right after a step that asked the drafts (a draft drafts
+ahead only for what it was asked). ``budget`` is how long the draft has between its reply and
+the next request (the predicted verify + the link's floor, not its mean, which also holds the
+draft finishing a forward before it reads the request): the draft sizes its tree to it. ``predict`` returns the whole
 table (the benchmark prints it). Both target engines (specserve's ``EngineCore`` and the vLLM
 proposer) decide with ``plan_draft_lengths`` and report each step as one ``StepRecord``.
 Pure Python; knows nothing of models or transports.
@@ -28,7 +32,6 @@ Pure Python; knows nothing of models or transports.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -42,31 +45,42 @@ def _bucket(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
 
-@dataclass
 class LinearCost:
-    """t(n) = a + b * n, fitted on recent (n, seconds) samples (n: tokens per row, rows of a tree, ...)."""
+    """t(n) = a + b * n (n: tokens per row, rows of a tree, ...): a running estimate per n seen,
+    and a line through them (weighted by how often each n was seen) for the n not seen. Every n
+    measured stays known: a run of k = 0 steps does not erase what k = 4 cost."""
 
-    samples: deque = field(default_factory=lambda: deque(maxlen=64))
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.points: dict[float, tuple[float, int]] = {}  # n -> (running seconds, samples)
+
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        return [(n, t) for n, (t, _) in sorted(self.points.items())]
 
     def add(self, n: float, seconds: float) -> None:
-        self.samples.append((n, seconds))
+        old = self.points.get(n)
+        self.points[n] = (seconds, 1) if old is None else ((1 - self.weight) * old[0] + self.weight * seconds, old[1] + 1)
 
     def predict(self, n: float, prior_slope: float = 0.1) -> float | None:
-        if not self.samples:
+        if not self.points:
             return None
-        xs = [x for x, _ in self.samples]
-        ys = [y for _, y in self.samples]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mean_x) ** 2 for x in xs)
+        if n in self.points and self.points[n][1] >= 2:
+            return self.points[n][0]
+        xs, ys, ws = zip(*[(x, y, min(c, 8)) for x, (y, c) in self.points.items()])
+        total = sum(ws)
+        mean_x = sum(w * x for w, x in zip(ws, xs)) / total
+        mean_y = sum(w * y for w, y in zip(ws, ys)) / total
+        var = sum(w * (x - mean_x) ** 2 for w, x in zip(ws, xs))
         if var > 0:
-            slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var)
+            slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(ws, xs, ys)) / var)
         else:
             slope = prior_slope * mean_y / max(mean_x, 1)  # one n seen so far: assume a mild slope
         return max(1e-6, mean_y + slope * (n - mean_x))
 
 
 class SpeculationController:
-    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 16, probe_every: int = 64,
+    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 10, probe_every: int = 64,
                  prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03):
         self.max_k = max_k
         self.adaptive = adaptive
@@ -78,6 +92,7 @@ class SpeculationController:
         self.target_cost: dict[int, LinearCost] = {}
         self.miss_s: dict[int, float] = {}  # batch bucket -> critical-path draft forward time per drafted position
         self.link_s: float | None = None
+        self.link_floor_s: float | None = None  # the round trip without the draft's own lag: falls fast, rises slowly
         self.draft_overhead_s: float | None = None
         self.draft_step_s: float | None = None
         self.hit_rate: float = 0.0
@@ -85,7 +100,9 @@ class SpeculationController:
         self.k = max_k
         self.cache_only = False  # this step's mode (chosen with k)
         self._chosen = 0
+        self._bucket_chosen: dict[int, int] = {}  # batch bucket -> choices made there (its warm-up)
         self._probe = 0
+        self._queued: list[tuple[int, bool]] = []  # (k, cache only) of the next probe steps
 
     # -- observations --------------------------------------------------------------------------
     def observe_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:
@@ -99,19 +116,23 @@ class SpeculationController:
 
     def observe_step(self, batch_size: int, tokens_per_row: int, target_s: float, wait_s: float = 0.0,
                      draft_compute_s: float = 0.0, draft_forward_s: float = 0.0, draft_step_s: float = 0.0,
-                     num_blocks: int = 0, num_hits: int = 0, drafted_k: int = 0) -> None:
-        """``drafted_k``: the k of a step whose misses were drafted on the critical path (0: none were)."""
+                     num_blocks: int = 0, num_hits: int = 0, drafted_k: int = 0, warm: bool = True) -> None:
+        """``drafted_k``: the k of a step whose misses were drafted on the critical path (0: none were);
+        ``warm``: the previous step asked the same sequences for at least as many tokens, so the
+        drafts could draft ahead for this one: only such steps say what a steady choice costs."""
         self.steps += 1
         self.target_cost.setdefault(_bucket(batch_size), LinearCost()).add(tokens_per_row, target_s)
         if wait_s > 0.0:
-            self.link_s = _ema(self.link_s, max(0.0, wait_s - draft_compute_s))
+            link = max(0.0, wait_s - draft_compute_s)
+            self.link_s = _ema(self.link_s, link)
+            self.link_floor_s = link if self.link_floor_s is None else min(link, 0.99 * self.link_floor_s + 0.01 * link)
             self.draft_overhead_s = _ema(self.draft_overhead_s, max(0.0, draft_compute_s - draft_forward_s))
-        if drafted_k:
+        if drafted_k and warm:
             b = _bucket(batch_size)
             self.miss_s[b] = _ema(self.miss_s.get(b), draft_forward_s / drafted_k, 0.2)
         if draft_step_s > 0.0:
             self.draft_step_s = draft_step_s
-        if num_blocks:
+        if num_blocks and warm:
             self.hit_rate = _ema(self.hit_rate, num_hits / num_blocks)
 
     # -- the model -----------------------------------------------------------------------------
@@ -143,7 +164,7 @@ class SpeculationController:
     def budget(self, batch_size: int, k: int) -> float:
         """Seconds from the draft's reply to the next request: the verify and the link (0: not known yet)."""
         t = self.verify_s(batch_size, k)
-        return 0.0 if t is None or self.link_s is None else t + self.link_s
+        return 0.0 if t is None or self.link_floor_s is None else t + self.link_floor_s
 
     def predict(self, batch_size: int, cache: bool = True) -> list[dict]:
         """Per k and mode: expected tokens per sequence, predicted seconds per step, tokens/s, speed-up over k=0."""
@@ -167,13 +188,22 @@ class SpeculationController:
         if not self.adaptive:
             return self.max_k
         self._chosen += 1
-        if self._chosen <= self.warmup_steps:  # cycle k and the mode so every estimate has data
-            k, self.cache_only = ((self.max_k, False), (0, False), (self.max_k, cache), (max(1, self.max_k // 2), False))[self._chosen % 4]
+        b = _bucket(batch_size)
+        seen = self._bucket_chosen[b] = self._bucket_chosen.get(b, 0) + 1
+        if seen <= self.warmup_steps:  # cycle k and the mode so every estimate of this batch size has data
+            # (each speculative step follows one that asked for at least as much: it is warm)
+            cycle = ((self.max_k, False), (self.max_k, False), (self.max_k, cache), (max(1, self.max_k // 2), False), (0, False))
+            k, self.cache_only = cycle[(seen - 1) % len(cycle)]
+            return k
+        if self._queued:
+            k, self.cache_only = self._queued.pop(0)
             return k
         if self._chosen % self.probe_every == 0:  # keep measuring a neighbour of the choice
             self._probe += 1
-            if self.k == 0:
-                k, self.cache_only = self.max_k, cache and self._probe % 2 == 0
+            if self.k == 0:  # speculation is off: one full step, then (with a cache) one cache-only step
+                if cache and self._probe % 2 == 0:
+                    self._queued.append((self.max_k, True))
+                k, self.cache_only = self.max_k, False
             elif cache and self._probe % 2 == 0:
                 k, self.cache_only = self.k, not self._cache_only_choice
             else:
@@ -210,6 +240,13 @@ class StepRecord:
     num_hits: int = 0  # of which answered from the speculation cache
     asked: dict = field(default_factory=dict)  # request id -> k asked of the drafts for these blocks
     cache_only: bool = False  # the drafts were told to answer from their speculation caches only
+    warm: bool = False  # the ask before asked the same sequences for at least as many tokens
+
+
+def is_warm(previous: dict | None, asked: dict) -> bool:
+    """Whether every sequence asked now was asked last time for at least as many tokens (the drafts
+    then drafted ahead for it): what a steady choice costs is measured on such steps only."""
+    return bool(previous) and all(previous.get(rid, 0) >= k for rid, k in asked.items())
 
 
 def observe(controller: SpeculationController, record: StepRecord) -> None:
@@ -217,29 +254,34 @@ def observe(controller: SpeculationController, record: StepRecord) -> None:
     if o is None:
         controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s)
         return
-    if record.cache_only:
+    if record.cache_only and record.warm:
         for rid, k in record.asked.items():
             block = o.blocks.get(rid)
             if block is not None:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
                 controller.observe_coverage(k, len(block.draft_token_ids))
     controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s, o.wait_s, o.compute_s + o.queue_s,
                             o.forward_s, o.draft_step_s, record.num_blocks, record.num_hits,
-                            0 if record.cache_only else max(record.asked.values(), default=0))
+                            0 if record.cache_only else max(record.asked.values(), default=0), record.warm)
 
 
 def plan_draft_lengths(controller: SpeculationController, batch_size: int, have_draft: bool,
-                       rows: Iterable[tuple[str, int, bool]], cache: bool = False) -> dict[str, int]:
+                       rows: Iterable[tuple[str, int, bool]], cache: bool = False, seeded: bool | None = None) -> dict[str, int]:
     """This step's draft length per sequence, from (request id, room, seeded and sampled) rows;
     ``controller.cache_only`` then says whether the drafts answer from their caches alone.
 
     Every row gets the controller's k for the batch, capped by its room (max_tokens, context);
     a seeded sampled request keeps the configured k and full blocks, because block boundaries
     decide which draws become which tokens, so the same seed gives the same output only with
-    the same k. Rows that get 0 are left out: they ask the draft nothing this step."""
-    rows = list(rows)
-    seeded = any(s for _, _, s in rows)
+    the same k. Rows that get 0 are left out: they ask the draft nothing this step. ``seeded``
+    (whether any row is seeded and sampled), when the caller knows it, spares reading the rows
+    on a step whose k is 0."""
+    if seeded is None:
+        rows = list(rows)
+        seeded = any(s for _, _, s in rows)
     k = controller.choose(batch_size, have_draft, cache and not seeded)
     fixed = controller.max_k if have_draft else 0
+    if k == 0 and not (seeded and fixed):
+        return {}
     out = {}
     for rid, room, seeded_sampled in rows:
         n = min(fixed if seeded_sampled else k, room)

@@ -128,6 +128,7 @@ class DraftSide:
         self.vocab_limit = vocab_limit  # the target's vocabulary size when the draft's LM head is wider
         self.seqs: dict[str, DraftSeq] = {}
         self._proposed: list[DraftSeq] = []  # sequences whose block prepare() continues
+        self._behind: list[DraftSeq] = []  # sequences given tokens without a block: prepare() feeds them
         self._budget_s = 0.0  # the target's estimate of the time until its next request
 
     def open(self, msg: OpenSeq) -> None:
@@ -184,6 +185,8 @@ class DraftSide:
         wanted = [(self.seqs[rid], k) for rid, k in zip(req.request_ids, req.num_draft_tokens) if rid in self.seqs and rid not in lost]
         missing += [rid for rid in req.request_ids if rid not in self.seqs and rid not in lost]
         seqs, ks = [s for s, _ in wanted], [k for _, k in wanted]
+        asked = {s.request_id for s in seqs}
+        self._behind = [self.seqs[r.request_id] for r in req.results if r.request_id in self.seqs and r.request_id not in asked]
         proposals = self.drafter.propose(seqs, ks, req.draft_misses)
         blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.cache_hit) for s, p in zip(seqs, proposals)]
         # Asked-for sequences get drafted ahead, an empty block too (a cache-only miss): its next
@@ -199,9 +202,13 @@ class DraftSide:
     def prepare(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Work for the next request, off the critical path (the speculation cache)."""
         seqs = [s for s in self._proposed if self.seqs.get(s.request_id) is s]
-        self._proposed = []
+        behind = [s for s in self._behind if self.seqs.get(s.request_id) is s]
+        self._proposed, self._behind = [], []
         if seqs:
             self.drafter.prepare(seqs, should_stop, self._budget_s)
+        catch_up = getattr(self.drafter, "catch_up", None)
+        if behind and catch_up is not None:
+            catch_up(behind, should_stop)
 
     @property
     def num_seqs(self) -> int:

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .adaptive import SpeculationController, StepRecord, observe, plan_draft_lengths
+from .adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
 from .messages import OpenSeq
 from .outputs import SpecMetrics, StepDelta
 from .pool import DraftPool
@@ -86,6 +86,7 @@ class EngineCore(RequestQueue):
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.step_id = 0
+        self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (is the next step warm?)
         self.totals = SpecMetrics()
         self.timing = {k: 0.0 for k in TIMING_KEYS}
         self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_only_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
@@ -173,6 +174,8 @@ class EngineCore(RequestQueue):
             blocks, fallback = outcome.blocks, outcome.fallback
         elif self.pool is not None and not have_draft and self.controller.max_k:
             fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only
+        elif have_draft and self.pool.quiet_step():
+            self.pool.push(self.step_id)  # k = 0: the drafts hear the deltas unawaited and keep up
         forward_before = self.target.forward_s
         deltas, results, failed = self._verify(blocks, fallback, list(seqs))
         for rid in failed:
@@ -189,7 +192,9 @@ class EngineCore(RequestQueue):
         record = StepRecord(len(seqs), 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0),
                             self.target.forward_s - forward_before, outcome,
                             sum(1 for b in blocks.values() if b.draft_token_ids),
-                            sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids), wants, cache_only)
+                            sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids), wants, cache_only,
+                            is_warm(self._last_asked, wants))
+        self._last_asked = wants
         observe(self.controller, record)
         self._account(record, result, time.perf_counter() - start)
         return result

@@ -214,6 +214,17 @@ class ModelDrafter:
             active = [i for i in active if len(seqs[i].block) < ks[i]]
 
     # -- off the critical path -------------------------------------------------------------
+    def catch_up(self, seqs: list[DraftSeq], should_stop: Callable[[], bool]) -> None:
+        """Feed committed tokens the KV has not seen (sent while the target asked for no drafts),
+        all but the last, whose logits the next block starts from: that block then starts warm."""
+        seqs = [s for s in seqs if len(s.token_ids) - s.num_fed > 1]
+        if not seqs or should_stop():
+            return
+        feed = [s.token_ids[s.num_fed : -1] for s in seqs]
+        self.backend.forward([s.key for s in seqs], feed, [1] * len(seqs))
+        for s, f in zip(seqs, feed):
+            s.num_fed += len(f)
+
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Per-position acceptance, from the verify results (chooses which branches to draft)."""
         for pos in range(min(num_accepted + 1, num_draft)):

@@ -42,6 +42,7 @@ class _Draft:
     catchup_s: float = 1e-3  # running estimate of the draft's time per prompt token it catches up on
     last_ok: float = field(default_factory=time.monotonic)  # when it last answered
     warned: bool = False  # a rejected reply was logged (once per draft)
+    unread: int = 0  # replies to pushed deltas not read yet (read before the next request)
 
     @property
     def has_deltas(self) -> bool:
@@ -82,6 +83,7 @@ class DraftPool:
         self.committed: dict[str, int] = {}  # request id -> committed length, as the drafts will have heard it
         self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0}
+        self._quiet_steps = 0  # steps that asked no drafts (push delivers their deltas)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
         self._stop = threading.Event()
@@ -255,6 +257,7 @@ class DraftPool:
             d = self.drafts[name]
             req = self._request(d, step, rids, ks, None, draft_misses, budget_s)
             try:
+                self._read_pushed(d)
                 d.endpoint.send(req)
                 sent.append((d, req))
             except DraftUnavailable as exc:
@@ -278,12 +281,7 @@ class DraftPool:
                 d.latency_s = 0.8 * d.latency_s + 0.2 * elapsed
             d.last_ok = time.monotonic()
             self._accept(d, reply, dict(zip(req.request_ids, req.num_draft_tokens)), out.blocks)
-            for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
-                if self.assignment.get(rid) == d.name:
-                    self.counters["num_resyncs"] += 1
-                    d.seqs.discard(rid)
-                    self.assignment.pop(rid)
-                    self._assign(rid)
+            self._resync_missing(d, reply)
             s = reply.stats
             out.compute_s, out.forward_s = max(out.compute_s, s.compute_s), max(out.forward_s, s.forward_s)
             out.queue_s = max(out.queue_s, s.queue_s)
@@ -308,6 +306,43 @@ class DraftPool:
                     logger.warning("draft %s sent %s: repaired before verification (exact; counted in draft_replies_rejected, "
                                    "said once per draft)", d.name, why)
 
+    def _resync_missing(self, d: _Draft, reply: ProposeReply) -> None:
+        for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
+            if self.assignment.get(rid) == d.name:
+                self.counters["num_resyncs"] += 1
+                d.seqs.discard(rid)
+                self.assignment.pop(rid)
+                self._assign(rid)
+
+    def quiet_step(self, every: int = 4) -> bool:
+        """Count a step that asked the drafts nothing (k = 0); True on every ``every``-th: time to ``push``."""
+        self._quiet_steps += 1
+        return self._quiet_steps % every == 0
+
+    def push(self, step: int) -> None:
+        """Send each draft the deltas it has not heard, without waiting for its answer (read before the
+        next request to it): while the target decodes alone, the draft feeds them off the critical
+        path, so when speculation resumes the next block starts warm instead of from a long catch-up."""
+        for d in list(self.drafts.values()):
+            if not d.has_deltas:
+                continue
+            req = self._request(d, step, [], [])
+            try:
+                self._read_pushed(d)
+                d.endpoint.send(req)
+                d.unread += 1
+            except DraftUnavailable as exc:
+                self._lost(d, exc)
+
+    def _read_pushed(self, d: _Draft) -> None:
+        """Read the answers to pushed deltas (they were sent before this request, so they arrive first)."""
+        while d.unread:
+            reply = d.endpoint.recv(self.max_timeout_s)
+            d.unread -= 1
+            if not isinstance(reply, ProposeReply):
+                raise DraftUnavailable(f"answered pushed deltas with {type(reply).__name__}")
+            self._resync_missing(d, reply)
+
     def flush(self, step: int, heartbeat_s: float = 1.0) -> None:
         """Idle engine: deliver queued deltas (closes above all), and ping drafts that have been
         quiet for ``heartbeat_s`` so a hung draft is noticed (and reported) without traffic. Each
@@ -318,6 +353,7 @@ class DraftPool:
                 continue
             req = self._request(d, step, [], [], live=sorted(d.seqs))
             try:
+                self._read_pushed(d)
                 d.endpoint.send(req)
                 d.endpoint.recv(self._timeout(d, req))
                 d.last_ok = time.monotonic()

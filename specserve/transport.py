@@ -25,6 +25,7 @@ import struct
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -196,7 +197,7 @@ class LocalEndpoint:
         self.service = service
         self.delay_s = delay_ms / 1000.0  # emulated link, as for sockets (in-process link sweeps)
         self.conn = f"{name}-{next(_conn_ids)}"
-        self._reply: ProposeReply | None = None
+        self._replies: deque[ProposeReply] = deque()  # in order, like a socket's (pushed deltas are answered too)
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="specserve-draft-ahead") if service.drafts_ahead else None
         self._pending = None  # the last drafting-ahead job
         # Without preemption drafting ahead finishes before the next request, as the TCP server keeps it.
@@ -210,7 +211,7 @@ class LocalEndpoint:
             time.sleep(self.delay_s)
         if self._ordered and self._pending is not None:
             self._pending.result()
-        self._reply = self.service.handle(self.conn, req)
+        self._replies.append(self.service.handle(self.conn, req))
         if self._ahead is not None:
             try:
                 self._pending = self._ahead.submit(self.service.prepare, self.conn)
@@ -218,8 +219,7 @@ class LocalEndpoint:
                 self._pending = None
 
     def recv(self, timeout_s: float) -> ProposeReply:
-        reply, self._reply = self._reply, None
-        assert reply is not None
+        reply = self._replies.popleft()
         if self.delay_s:
             time.sleep(self.delay_s)
         return reply

@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..adaptive import SpeculationController, StepRecord, observe, plan_draft_lengths
+from ..adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
 from ..devices import placement
 from ..messages import Hello, OpenSeq, VerifyResult
 from ..pool import DraftPool
@@ -40,9 +40,12 @@ RECONCILE_EVERY = 64  # steps between checks that every sequence held here is st
 @dataclass
 class _Seq:
     token_ids: list[int]  # committed tokens, as the draft last heard them
-    block: list[int] = field(default_factory=list)  # the drafts handed to vLLM last step
+    length: int = 0  # committed tokens in vLLM now (the ones past token_ids are told with the next block)
+    block: list[int] = field(default_factory=list)  # the drafts last handed to vLLM, until the draft is told their fate
     block_base: int = -1  # committed length the block continues (-1: none)
+    verifying: bool = False  # the block was handed last step: this step's sampled tokens verify it
     fallback: bool = False  # no draft could answer for it last step
+    seeded: bool = False  # a seeded sampled request: keeps the configured k (plan_draft_lengths)
 
 
 def find_runner(start):
@@ -85,7 +88,8 @@ class RemoteDraftProposer:
         opts = (vllm_config.additional_config or {}).get("specserve", {}) if isinstance(vllm_config.additional_config, dict) else {}
         self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)))
         self._step_started: float | None = None  # when the runner began the step being verified
-        self._asked = None  # (ProposeOutcome, {request: block handed to vLLM}, {request: k asked}, cache only) of the last ask
+        self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm) of the last ask
+        self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         if not _is_output_rank():
             return  # vLLM takes the output rank's drafts; this rank proposes nothing
         if self.runner is None:
@@ -143,8 +147,11 @@ class RemoteDraftProposer:
 
     def close(self, rid: str) -> None:
         with self._lock:
-            if self.seqs.pop(rid, None) is not None and self.pool is not None:
-                self.pool.close(rid)
+            seq = self.seqs.pop(rid, None)
+            if seq is not None:
+                self._num_seeded -= seq.seeded
+                if self.pool is not None:
+                    self.pool.close(rid)
 
     def retain(self, live: set[str]) -> None:
         """Close every sequence not in ``live`` (vLLM request ids the engine still runs)."""
@@ -157,13 +164,15 @@ class RemoteDraftProposer:
         return None if seq is None else OpenSeq(rid, list(seq.token_ids))  # greedy drafts: point masses
 
     def _open(self, rid: str, token_ids: list[int]) -> _Seq:
-        seq = self.seqs[rid] = _Seq(token_ids)
+        seq = self.seqs[rid] = _Seq(token_ids, len(token_ids), seeded=self._seeded_sampled(rid))
+        self._num_seeded += seq.seeded
         self.pool.open(rid)
         return seq
 
-    def _advance(self, rid: str, seq: _Seq, row, length: int) -> None:
-        """Tell the draft what this sequence committed since its last block (one ``VerifyResult``)."""
-        base = len(seq.token_ids)
+    def _tell(self, rid: str, seq: _Seq, row) -> None:
+        """Tell the draft what this sequence committed since it last heard (one ``VerifyResult``):
+        base_len, how many drafts of the last block survived, the tokens appended."""
+        base, length = len(seq.token_ids), seq.length
         if length < base or int(row[base - 1]) != seq.token_ids[-1]:  # not the sequence we knew: resync
             self.counters["num_resyncs"] += 1
             self.close(rid)
@@ -177,7 +186,7 @@ class RemoteDraftProposer:
                 if a != d:
                     break
                 accepted += 1
-        seq.block, seq.block_base, seq.fallback = [], -1, False
+        seq.block, seq.block_base = [], -1
         if appended:
             seq.token_ids.extend(appended)
             self.pool.result(VerifyResult(rid, base, accepted, appended))
@@ -223,8 +232,8 @@ class RemoteDraftProposer:
         self._step += 1
         self.step_stats = {}
         req_ids = self.runner.input_batch.req_ids
-        live, rows, widest, prefill = [], {}, 0, False
-        for i in range(n):
+        live, widest, prefill = {}, 0, False  # request id -> (row, sequence)
+        for i in range(n):  # per row only what cannot wait: the committed length, and last step's block's fate
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
                 prefill = True
@@ -235,27 +244,39 @@ class RemoteDraftProposer:
                 prefill = True
                 # .tolist(): the whole prompt travels in the OpenSeq.
                 seq = self._open(rid, token_ids_cpu[i, :length].tolist())
-            else:
-                verified = len(scheduled.get(rid, ())) if scheduled is not None else len(seq.block)
+            elif seq.verifying or seq.fallback:
+                verified = (len(scheduled.get(rid, ())) if scheduled is not None else len(seq.block)) if seq.verifying else 0
                 accepted = max(0, len(sampled) - 1) if verified else 0
                 self.step_stats[rid] = (verified, accepted, seq.fallback)
                 if verified:
                     self.controller.observe_acceptance(verified, accepted)
                 widest = max(widest, verified)
-                self._advance(rid, seq, token_ids_cpu[i], length)
-            live.append((rid, self._room(rid, length), self._seeded_sampled(rid)))
-            rows[rid] = i
+                seq.verifying = seq.fallback = False
+            seq.length = length
+            live[rid] = (i, seq)
         self._observe_verify(len(live), 1 + widest, verify_s, prefill)
         if self._step % RECONCILE_EVERY == 0:
             self._reconcile()
         drafts: list[list[int]] = [[] for _ in range(n)]
         have = self.pool.has_drafts
-        wants = plan_draft_lengths(self.controller, len(live), have, live, cache=have and self.pool.drafts_ahead)
-        if not wants:  # k = 0: nothing asked, nothing sent; the deltas wait for the next block
+        wants = plan_draft_lengths(self.controller, len(live), have,
+                                   ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
+                                   cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
+        previous = self._asked[2] if self._asked is not None else None
+        if not wants:  # k = 0: nothing asked; now and then the deltas go out unawaited, so the draft keeps up
             self._asked = None
+            if have and self.pool.quiet_step():
+                for rid, (i, seq) in live.items():
+                    if rid in self.seqs:
+                        self._tell(rid, seq, token_ids_cpu[i])
+                self.pool.push(self._step)
             return drafts
+        for rid in wants:
+            i, seq = live[rid]
+            self._tell(rid, seq, token_ids_cpu[i])
+        wants = {rid: k for rid, k in wants.items() if rid in self.seqs}  # (a resync reopened it: asked next step)
         cache_only = self.controller.cache_only
-        outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values())))
+        outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values(), default=0)))
         handed = {}
         for rid in wants:
             seq = self.seqs[rid]
@@ -263,10 +284,11 @@ class RemoteDraftProposer:
             seq.fallback = rid in outcome.fallback
             if block is not None and block.base_len == len(seq.token_ids) and block.draft_token_ids:
                 seq.block, seq.block_base = list(block.draft_token_ids[: wants[rid]]), len(seq.token_ids)
-                drafts[rows[rid]] = seq.block
+                seq.verifying = True
+                drafts[live[rid][0]] = seq.block
                 handed[rid] = block
                 self.counters["num_blocks"] += 1
-        self._asked = (outcome, handed, wants, cache_only)
+        self._asked = (outcome, handed, wants, cache_only, is_warm(previous, wants))
         self.counters["num_proposals"] += 1
         self.counters["num_cache_only_steps"] += cache_only
         t = self.timing
@@ -278,14 +300,14 @@ class RemoteDraftProposer:
     def _observe_verify(self, batch_size: int, tokens_per_row: int, verify_s: float | None, prefill: bool) -> None:
         """The controller learns from the step vLLM just verified (the blocks asked for last step).
         A step that also prefilled says nothing about a verify's cost and is left out."""
-        outcome, handed, asked, cache_only = self._asked if self._asked is not None else (None, {}, {}, False)
+        outcome, handed, asked, cache_only, warm = self._asked if self._asked is not None else (None, {}, {}, False, False)
         hits = sum(1 for b in handed.values() if b.cache_hit)
         self.counters["num_cache_hits"] += hits
         if verify_s is None or prefill or not batch_size:
             return
         self.timing["verify_s"] += verify_s
         self.counters["num_verify_steps"] += 1
-        observe(self.controller, StepRecord(batch_size, tokens_per_row, verify_s, outcome, len(handed), hits, asked, cache_only))
+        observe(self.controller, StepRecord(batch_size, tokens_per_row, verify_s, outcome, len(handed), hits, asked, cache_only, warm))
 
     def _seeded_sampled(self, rid: str) -> bool:
         params = getattr(getattr(self.runner, "requests", {}).get(rid), "sampling_params", None)

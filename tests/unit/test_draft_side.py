@@ -153,3 +153,21 @@ def test_explicit_drafting_ahead_overrides_the_placement(ahead, expected):
     service = DraftService(CachingDrafter(), None, "d0", {"placement": _where(HOST_A, [0])}, ahead=ahead)
     reply = service.hello("c0", Hello("t0", {"tokenizer_sha": None, "vocab_size": 8}, {"placement": _where(HOST_A, [0])}))
     assert reply.info["draft_ahead"] is expected
+
+
+def test_tokens_sent_without_a_block_request_are_fed_off_the_critical_path(tiny_pair):
+    """A pushed delta (results, nothing asked): prepare() feeds it, all but the last token."""
+    from specserve.backends.hf import HFBackend
+    from specserve.draft import DraftSide
+    from specserve.messages import OpenSeq, ProposeRequest, VerifyResult
+    from specserve.model_drafter import ModelDrafter
+
+    side = DraftSide(ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2))
+    side.handle(ProposeRequest(1, opens=[OpenSeq("r", [1, 2, 3])], request_ids=["r"], num_draft_tokens=[2]))
+    side.prepare()
+    seq = side.seqs["r"]
+    side.handle(ProposeRequest(2, results=[VerifyResult("r", 3, 0, [9, 10, 11, 12])]))  # nothing asked
+    side.prepare()
+    assert seq.token_ids == [1, 2, 3, 9, 10, 11, 12] and seq.num_fed == 6  # the KV holds all but the last token
+    reply = side.handle(ProposeRequest(3, request_ids=["r"], num_draft_tokens=[2]))
+    assert len(reply.blocks[0].draft_token_ids) == 2 and reply.blocks[0].base_len == 7

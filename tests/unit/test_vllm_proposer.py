@@ -182,6 +182,22 @@ def test_the_controller_learns_the_verify_cost_from_the_runners_steps():
         out = runner.step({"a": [10 + i], "b": [20 + i]})
         assert all(len(block) <= K for block in out)
     assert runner.drafter.counters["num_verify_steps"] == 8
-    fit = runner.drafter.controller.target_cost[2]  # batch 2's bucket: one sample per verify step
-    assert len(fit.samples) == 8 and {n for n, _ in fit.samples} <= set(range(1, K + 2))
+    fit = runner.drafter.controller.target_cost[2]  # batch 2's bucket: one sample per verify step, by width
+    assert sum(count for _, count in fit.points.values()) == 8 and set(fit.points) <= set(range(1, K + 2))
     assert runner.drafter.status()["speculation"]["adaptive"] is True
+
+
+def test_quiet_steps_push_the_deltas_unawaited_and_the_next_block_reads_the_answer_first():
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft, adaptive=True)
+    controller = runner.drafter.controller
+    controller.choose = lambda batch_size, have_draft=True, cache=False: 0
+    runner.step({"a": [1, 2, 3]})
+    for t in range(4, 7):
+        assert runner.step({"a": [t]}) == [[]]
+    (pushed,) = draft.requests  # the fourth quiet step pushed: the open and the tokens so far, nothing asked
+    assert pushed.request_ids == [] and [o.request_id for o in pushed.opens] == ["a"]
+    assert draft.tokens["a"] == [1, 2, 3, 4, 5, 6]
+    controller.choose = lambda batch_size, have_draft=True, cache=False: K
+    assert runner.step({"a": [7]}) == [[8, 9, 10]]  # the pushed answer was read before this one
+    assert draft.requests[-1].results[0].base_len == 6 and draft.tokens["a"] == [1, 2, 3, 4, 5, 6, 7]
