@@ -155,4 +155,5 @@ def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dic
     drafter = DRAFTERS[d.drafter](cfg, own_process)
     info = {"drafter": d.drafter, "backend": d.backend, "model": d.model, "device": d.device, **(info or {}),
             "placement": placement(d.device, simulated=d.backend == "sim")}
-    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, info, _ahead_policy(cfg, own_process))
+    return DraftService(drafter, draft_fingerprint(d, drafter), draft_id, info, _ahead_policy(cfg, own_process),
+                        cfg.channel.max_draft_seqs)

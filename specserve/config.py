@@ -99,6 +99,10 @@ class ChannelConfig(_Section):
     draft_port: int = Field(0, ge=0, le=65535, description="TCP port the draft listens on (0: any free port; set it to open a firewall).")
     tensors: Literal["inline", "collective"] = Field("inline", description="Draft probabilities: inline in the messages, or over ray.util.collective.")
     collective_backend: Literal["gloo", "nccl"] = Field("gloo", description="Backend of the collective tensor path: gloo (CPU), nccl (GPUs).")
+    draft_token: str | None = Field(None, repr=False, description="Shared secret a target proves (challenge-response) before a draft accepts it (default: env SPECSERVE_DRAFT_TOKEN; LLM(ray=True) and Serve make one per app when none is set).")
+    draft_token_file: str | None = Field(None, description="Read draft_token from this file.")
+    max_draft_seqs: int = Field(4096, ge=1, description="Most sequences one target connection may hold open on a draft; more are refused (decoded target-only, exact).")
+    max_frame_mb: float = Field(64.0, gt=0, le=1024, description="Largest message a draft accepts from an authenticated target, in MiB (before authentication: 64 KiB).")
 
 
 class ClusterConfig(_Section):
@@ -158,6 +162,17 @@ class SpecserveConfig(_Section):
         if Path(self.target.model) == TARGET_PATH:
             return "demo"
         return Path(self.target.model.rstrip("/")).name
+
+    def with_draft_token(self) -> "SpecserveConfig":
+        """This configuration with the draft channel's secret resolved (``draft_token``, its file, or
+        ``$SPECSERVE_DRAFT_TOKEN``) or, when none is set, a fresh one: for deployments that start both
+        sides themselves (``LLM(ray=True)``, Serve apps), so every draft port they open is authenticated."""
+        from .secret import new_token, resolve_token
+
+        if not self.speculative:
+            return self
+        token = resolve_token(self.channel.draft_token, self.channel.draft_token_file) or new_token()
+        return self.model_copy(update={"channel": self.channel.model_copy(update={"draft_token": token, "draft_token_file": None})})
 
     # -- loading -----------------------------------------------------------------------------
     @classmethod

@@ -122,9 +122,12 @@ class NgramDrafter:
 class DraftSide:
     """Owns one target connection's sequences; speaks ``ProposeRequest`` -> ``ProposeReply``."""
 
-    def __init__(self, drafter: Drafter, namespace: str = "", vocab_limit: int | None = None):
+    def __init__(self, drafter: Drafter, namespace: str = "", vocab_limit: int | None = None, max_seqs: int | None = None):
         self.drafter = drafter
         self.namespace = namespace
+        self.max_seqs = max_seqs  # sequences this connection may hold open; the rest are refused
+        backend = getattr(drafter, "backend", None)
+        self.max_len = getattr(backend, "max_model_len", None)  # a sequence past the draft's context cannot be drafted for
         self.vocab_limit = vocab_limit  # the target's vocabulary size when the draft's LM head is wider
         self.seqs: dict[str, DraftSeq] = {}
         self._proposed: list[DraftSeq] = []  # sequences whose block prepare() continues
@@ -172,18 +175,30 @@ class DraftSide:
             keep = set(req.live) | {o.request_id for o in req.opens}
             for rid in [r for r in self.seqs if r not in keep]:
                 self.close(rid)
+        refused = []
         for o in req.opens:
+            if (self.max_seqs is not None and o.request_id not in self.seqs and len(self.seqs) >= self.max_seqs) or (
+                    self.max_len is not None and len(o.token_ids) >= self.max_len):
+                refused.append(o.request_id)
+                continue
             self.open(o)
         missing = []
         for r in req.results:
             seq = self.seqs.get(r.request_id)
+            if r.request_id in refused:
+                continue
             if seq is None or len(seq.token_ids) < r.base_len:
                 missing.append(r.request_id)
                 continue
+            if self.max_len is not None and r.committed_len >= self.max_len:  # past the draft's context: let it go
+                self.close(r.request_id)
+                refused.append(r.request_id)
+                continue
             self.apply(seq, r)
-        lost = set(missing)
+        lost = set(missing) | set(refused)
         wanted = [(self.seqs[rid], k) for rid, k in zip(req.request_ids, req.num_draft_tokens) if rid in self.seqs and rid not in lost]
         missing += [rid for rid in req.request_ids if rid not in self.seqs and rid not in lost]
+        missing = [rid for rid in missing if rid not in refused]
         seqs, ks = [s for s, _ in wanted], [k for _, k in wanted]
         asked = {s.request_id for s in seqs}
         self._behind = [self.seqs[r.request_id] for r in req.results if r.request_id in self.seqs and r.request_id not in asked]
@@ -197,7 +212,7 @@ class DraftSide:
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
         stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,
                            num_forwards=self.drafter.num_forwards, hidden_s=hidden, draft_step_s=step)
-        return ProposeReply(req.step, blocks, missing, stats)
+        return ProposeReply(req.step, blocks, missing, refused, stats)
 
     def prepare(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Work for the next request, off the critical path (the speculation cache)."""

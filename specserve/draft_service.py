@@ -27,12 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 class DraftService:
-    def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None, ahead: bool | str = True):
+    def __init__(self, drafter: Drafter, fingerprint: dict, draft_id: str, info: dict | None = None, ahead: bool | str = True,
+                 max_seqs: int | None = None):
         """``ahead``: draft ahead (when the drafter can): True, False, or "auto": for each target
         whose compute the draft does not share (another host, another GPU, disjoint CPU cores;
         ``info["placement"]`` is this side's report, the target sends its own in the hello)."""
         self.drafter = drafter
         self.ahead = ahead
+        self.max_seqs = max_seqs  # per connection (a target): more are refused, and that target decodes them alone
         self.no_ahead: set[str] = set()  # connections that do not get drafting ahead
         self.ahead_by_conn: dict[str, tuple[bool, str]] = {}  # connection -> (drafting ahead, why)
         self.fingerprint = fingerprint
@@ -58,7 +60,7 @@ class DraftService:
             if old is not None:
                 old.close_all()
             widths = _widths(msg.vocab, self.fingerprint)
-            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/", vocab_limit=widths[0])
+            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/", vocab_limit=widths[0], max_seqs=self.max_seqs)
             self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
             ahead, why = self._ahead_for(msg.info)
             if ahead:

@@ -1,7 +1,9 @@
 """Wire messages between the target side and the draft side, msgpack-encoded, no pickle.
 
-One frozen dataclass per message. A target opens a connection with ``Hello`` (its
-vocabulary fingerprint) and gets ``HelloReply`` (the draft's, or a refusal). Per step it
+One frozen dataclass per message. A draft opens each connection with a ``Challenge``; the
+target answers with ``Hello`` (its vocabulary fingerprint, its proof of the shared secret and
+a challenge of its own, ``secret.py``) and gets ``HelloReply`` (the draft's fingerprint and
+proof, or a refusal). Per step it
 sends one ``ProposeRequest`` (sequences to open, verify results since the last request as
 KV-cache deltas, sequences to close, and how many draft tokens each wanted sequence should
 get) and the draft answers one ``ProposeReply`` (a ``DraftBlock`` per wanted sequence,
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field, fields
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 3  # 3: ProposeRequest.draft_misses and budget_s
+PROTOCOL_VERSION = 3  # 3: ProposeRequest.draft_misses and budget_s; Challenge; proofs; ProposeReply.refused
 
 
 class ProtocolError(ValueError):
@@ -29,10 +31,20 @@ class ProtocolError(ValueError):
 
 
 @dataclass(frozen=True)
+class Challenge:
+    """The draft's first frame on every connection."""
+
+    nonce: str  # answer it in Hello.proof
+    required: bool = False  # the draft holds a secret: no proof, no connection
+
+
+@dataclass(frozen=True)
 class Hello:
     target_id: str
     vocab: dict  # models.vocab_fingerprint of the target
-    info: dict = field(default_factory=dict)  # where the target runs (ip, device): the draft decides whether to draft ahead
+    info: dict = field(default_factory=dict)  # where the target runs (placement): the draft decides whether to draft ahead
+    proof: str = ""  # secret.prove(token, "target", the draft's challenge); "" without a secret
+    challenge: str = ""  # the target's own challenge, answered in HelloReply.proof
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class HelloReply:
     vocab: dict | None = None  # the draft's fingerprint (None when it refused)
     error: str | None = None  # why the draft refused the connection
     info: dict = field(default_factory=dict)  # node id, pid, backend: for logs and /health
+    proof: str = ""  # secret.prove(token, "draft", Hello.challenge)
 
 
 @dataclass(frozen=True)
@@ -124,6 +137,7 @@ class ProposeReply:
     step: int
     blocks: list[DraftBlock] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # request ids the draft does not know (resync them)
+    refused: list[str] = field(default_factory=list)  # sequences over this connection's limits: no drafts for them
     stats: DraftStats = field(default_factory=DraftStats)
 
 
@@ -154,7 +168,7 @@ _CHECKS = {
 _NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock, "stats": DraftStats}
 MESSAGE_TYPES = {
     cls.__name__: cls
-    for cls in (Hello, HelloReply, OpenSeq, VerifyResult, CloseSeq, ProposeRequest, DraftBlock, DraftStats, ProposeReply)
+    for cls in (Challenge, Hello, HelloReply, OpenSeq, VerifyResult, CloseSeq, ProposeRequest, DraftBlock, DraftStats, ProposeReply)
 }
 
 

@@ -78,11 +78,13 @@ class DraftPool:
         self.drafts: dict[str, _Draft] = {}
         self.assignment: dict[str, str] = {}  # request id -> draft name
         self.orphans: set[str] = set()  # live sequences without a draft (target-only until one connects)
+        self.declined: set[str] = set()  # live sequences a draft refused (over its limits): target-only for their life
         self.refused: dict[str, str] = {}  # draft name -> why it refused this target (vocabulary)
         self._closed_tensor_bytes = 0  # bytes of probabilities received over links since dropped
         self.committed: dict[str, int] = {}  # request id -> committed length, as the drafts will have heard it
         self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
-        self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0}
+        self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0,
+                         "num_seqs_refused": 0}
         self._quiet_steps = 0  # steps that asked no drafts (push delivers their deltas)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
@@ -165,6 +167,8 @@ class DraftPool:
         return min(self.drafts.values(), key=lambda d: (len(d.seqs), d.name), default=None)
 
     def _assign(self, rid: str) -> None:
+        if rid in self.declined:
+            return
         msg = self._reopen(rid)
         d = self._least_loaded()
         if msg is None:
@@ -191,6 +195,7 @@ class DraftPool:
 
     def close(self, rid: str) -> None:
         self.orphans.discard(rid)
+        self.declined.discard(rid)
         self.committed.pop(rid, None)
         name = self.assignment.pop(rid, None)
         if name is None:
@@ -307,6 +312,17 @@ class DraftPool:
                                    "said once per draft)", d.name, why)
 
     def _resync_missing(self, d: _Draft, reply: ProposeReply) -> None:
+        for rid in reply.refused:  # over the draft's limits (sequences per target, its context): target-only
+            if self.assignment.get(rid) == d.name:
+                self.counters["num_seqs_refused"] += 1
+                d.seqs.discard(rid)
+                self.assignment.pop(rid)
+                d.results.pop(rid, None)
+                self.declined.add(rid)
+                if not d.warned:
+                    d.warned = True
+                    logger.warning("draft %s refused sequence %s (over its limits: max_draft_seqs, or past its context): "
+                                   "it decodes target-only, exact (said once per draft)", d.name, rid)
         for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
             if self.assignment.get(rid) == d.name:
                 self.counters["num_resyncs"] += 1
@@ -329,7 +345,7 @@ class DraftPool:
             req = self._request(d, step, [], [])
             try:
                 self._read_pushed(d)
-                d.endpoint.send(req)
+                d.endpoint.send(req, awaited=False)
                 d.unread += 1
             except DraftUnavailable as exc:
                 self._lost(d, exc)
@@ -337,7 +353,7 @@ class DraftPool:
     def _read_pushed(self, d: _Draft) -> None:
         """Read the answers to pushed deltas (they were sent before this request, so they arrive first)."""
         while d.unread:
-            reply = d.endpoint.recv(self.max_timeout_s)
+            reply = d.endpoint.recv(self.max_timeout_s, awaited=False)
             d.unread -= 1
             if not isinstance(reply, ProposeReply):
                 raise DraftUnavailable(f"answered pushed deltas with {type(reply).__name__}")

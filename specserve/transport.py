@@ -1,10 +1,15 @@
 """How draft messages travel: in-process calls, or length-prefixed msgpack frames over TCP.
 
-Target side, an endpoint speaks to one draft: ``hello`` once, then per step ``send`` a
-``ProposeRequest`` and ``recv`` its ``ProposeReply`` (split so a target can send to every
-draft it uses before waiting on any). Draft side, ``DraftServer`` is one thread that
-accepts connections, answers each request and then lets the service draft ahead until any
-socket is readable again. A Ray actor call costs ~1 ms; a frame over loopback ~30 us, so
+Target side, an endpoint speaks to one draft: ``hello`` once (answering the draft's
+``Challenge`` with its proof of the shared secret, ``secret.py``, and checking the draft's),
+then per step ``send`` a ``ProposeRequest`` and ``recv`` its ``ProposeReply`` (split so a
+target can send to every draft it uses before waiting on any). Draft side, ``DraftServer``
+is one thread that accepts connections, reads every socket without blocking (a frame is
+handled once it has fully arrived, so no peer can stall the others), answers each request
+and then lets the service draft ahead until any socket is readable again. Nothing from a
+connection reaches the draft before it has proven the secret (when the draft has one); an
+unproven connection may send one small frame within a few seconds, and only so many may
+wait at once. A Ray actor call costs ~1 ms; a frame over loopback ~30 us, so
 the step path uses sockets and Ray only places and supervises the processes.
 Draft probabilities travel inline by default; with a ``TensorLink`` (e.g. a ``ray.util.collective``
 group: gloo on CPUs, NCCL between GPUs) a reply's probabilities are stripped into one packed
@@ -26,18 +31,23 @@ import threading
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import msgpack
 
 from .draft_service import DraftService
-from .messages import Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode, encode
+from .messages import Challenge, Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode, encode
+from .secret import new_challenge, prove, verify
 
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<IB")  # payload length, frame kind
-MAX_FRAME_BYTES = 1 << 30
+MAX_FRAME_BYTES = 1 << 30  # what a target accepts from a draft it authenticated
+HELLO_FRAME_BYTES = 64 << 10  # what a draft accepts from a connection that has not proven the secret yet
+HELLO_TIMEOUT_S = 5.0  # how long a new connection has to prove it
+MAX_UNPROVEN = 64  # connections that may wait to prove it at once (more are closed on accept)
 MESSAGE, MESSAGE_WITH_TENSOR, LINK_SETUP = 0, 1, 2  # frame kinds
 _conn_ids = itertools.count()
 
@@ -61,10 +71,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[int, bytes]:
     size, kind = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if size > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if size > limit:
+        raise ProtocolError(f"frame of {size} bytes exceeds the {limit}-byte limit")
     if kind not in (MESSAGE, MESSAGE_WITH_TENSOR, LINK_SETUP):
         raise ProtocolError(f"unknown frame kind {kind}")
     return kind, _recv_exact(sock, size)
@@ -111,12 +121,14 @@ def parse_address(address: str) -> tuple[str, int]:
 class SocketEndpoint:
     """A target's TCP connection to one draft server (and, optionally, a tensor link beside it)."""
 
-    def __init__(self, address: str, delay_ms: float = 0.0, connect_timeout_s: float = 2.0, link_factory=None):
+    def __init__(self, address: str, delay_ms: float = 0.0, connect_timeout_s: float = 2.0, link_factory=None,
+                 token: str | None = None):
         self.name = address
         self.delay_s = delay_ms / 1000.0
         self.link_factory = link_factory  # (group name) -> TensorLink of rank 0; None: probabilities inline
         self.link: TensorLink | None = None
         self.tensor_bytes = 0
+        self.token = token  # the shared secret (secret.py); None: this target has none to prove
         try:
             self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout_s)
         except OSError as exc:
@@ -129,10 +141,23 @@ class SocketEndpoint:
         return DraftUnavailable(f"draft at {self.name} {kind}")
 
     def hello(self, msg: Hello, timeout_s: float) -> HelloReply:
-        self.send(msg)
+        """Answer the draft's challenge with this target's proof and its own challenge; check the draft's proof."""
+        challenge = self.recv(min(timeout_s, HELLO_TIMEOUT_S))
+        if not isinstance(challenge, Challenge):
+            raise self._call_failed(ProtocolError(f"expected a Challenge, got {type(challenge).__name__}"))
+        if challenge.required and not self.token:
+            self.close()
+            return HelloReply("?", None, "this draft requires a token: set draft_token / draft_token_file or "
+                                         "SPECSERVE_DRAFT_TOKEN on the target side")
+        mine = new_challenge()
+        self.send(dataclasses.replace(msg, proof=prove(self.token, "target", challenge.nonce), challenge=mine))
         reply = self.recv(timeout_s)
         if not isinstance(reply, HelloReply):
             raise self._call_failed(ProtocolError(f"expected HelloReply, got {type(reply).__name__}"))
+        if reply.error is None and self.token and not verify(self.token, "draft", mine, reply.proof):
+            self.close()
+            return HelloReply(reply.draft_id, None, "the draft could not prove it holds this target's token (another "
+                                                    "draft, or another token): not using it")
         if reply.error is None and self.link_factory is not None:
             self._setup_link(timeout_s)
         return reply
@@ -151,8 +176,9 @@ class SocketEndpoint:
         if answer.get("error"):
             raise self._call_failed(RuntimeError(f"tensor link: {answer['error']}"))
 
-    def send(self, msg) -> None:
-        if self.delay_s:
+    def send(self, msg, awaited: bool = True) -> None:
+        """``awaited`` false: nobody waits on this message (pushed deltas), so the emulated delay is not slept."""
+        if self.delay_s and awaited:
             time.sleep(self.delay_s)
         try:
             self.sock.settimeout(10.0)
@@ -160,7 +186,7 @@ class SocketEndpoint:
         except OSError as exc:
             raise self._call_failed(exc) from None
 
-    def recv(self, timeout_s: float):
+    def recv(self, timeout_s: float, awaited: bool = True):
         try:
             self.sock.settimeout(timeout_s)
             kind, data = recv_frame(self.sock)
@@ -175,7 +201,7 @@ class SocketEndpoint:
                 raise ProtocolError(f"unexpected frame kind {kind}")
         except (OSError, ProtocolError, RuntimeError) as exc:
             raise self._call_failed(exc) from None
-        if self.delay_s:
+        if self.delay_s and awaited:
             time.sleep(self.delay_s)
         return msg
 
@@ -206,8 +232,8 @@ class LocalEndpoint:
     def hello(self, msg: Hello, timeout_s: float) -> HelloReply:
         return self.service.hello(self.conn, msg)
 
-    def send(self, req: ProposeRequest) -> None:
-        if self.delay_s:
+    def send(self, req: ProposeRequest, awaited: bool = True) -> None:
+        if self.delay_s and awaited:
             time.sleep(self.delay_s)
         if self._ordered and self._pending is not None:
             self._pending.result()
@@ -218,9 +244,9 @@ class LocalEndpoint:
             except RuntimeError:  # the interpreter is exiting (executors refuse work): no drafting ahead
                 self._pending = None
 
-    def recv(self, timeout_s: float) -> ProposeReply:
+    def recv(self, timeout_s: float, awaited: bool = True) -> ProposeReply:
         reply = self._replies.popleft()
-        if self.delay_s:
+        if self.delay_s and awaited:
             time.sleep(self.delay_s)
         return reply
 
@@ -246,20 +272,37 @@ def _listen(host: str, port: int, wait_s: float = 15.0) -> socket.socket:
             time.sleep(0.2)
 
 
+@dataclass
+class _Conn:
+    """One accepted connection: its bytes so far, and whether it proved the secret."""
+
+    name: str
+    challenge: str
+    deadline: float  # to prove the secret by
+    buffer: bytearray = field(default_factory=bytearray)
+    proven: bool = False
+
+
 class DraftServer:
-    """TCP front of a ``DraftService``: one thread accepts, answers, then drafts ahead."""
+    """TCP front of a ``DraftService``: one thread accepts, answers, then drafts ahead.
+
+    ``token``: the shared secret targets must prove (None: any target that speaks the protocol);
+    ``max_frame_bytes``: the largest message a proven target may send."""
 
     def __init__(self, service: DraftService, host: str = "0.0.0.0", port: int = 0, advertise_host: str | None = None,
-                 link_factory=None):
+                 link_factory=None, token: str | None = None, max_frame_bytes: int = 64 << 20):
         self.service = service
+        self.token = token
+        self.max_frame_bytes = max_frame_bytes
         self.link_factory = link_factory  # (group name) -> TensorLink of rank 1; None: refuse tensor links
         self.links: dict[socket.socket, TensorLink] = {}
         self.listener = _listen(host, port)
         self.listener.setblocking(False)
         bound_port = self.listener.getsockname()[1]
         self.address = f"{advertise_host or _routable_ip()}:{bound_port}"
+        self.counters = {"num_refused_unproven": 0, "num_dropped": 0}
         self._stop = threading.Event()
-        self._conns: dict[socket.socket, str] = {}
+        self._conns: dict[socket.socket, _Conn] = {}
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ)
         self._thread = threading.Thread(target=self._serve, name="specserve-draft-server", daemon=True)
@@ -275,8 +318,9 @@ class DraftServer:
                 sock = key.fileobj
                 if sock is self.listener:
                     self._accept()
-                elif self._answer(sock):
-                    answered.append(self._conns[sock])
+                elif sock in self._conns:
+                    answered += self._read(sock)
+            self._expire()
             for conn in answered:
                 if self.service.drafts_ahead:
                     self.service.prepare(conn, self._readable)
@@ -286,71 +330,137 @@ class DraftServer:
             sock, peer = self.listener.accept()
         except BlockingIOError:
             return
-        sock.setblocking(True)
+        if sum(not c.proven for c in self._conns.values()) >= MAX_UNPROVEN:  # a flood of strangers: the targets come first
+            self.counters["num_refused_unproven"] += 1
+            sock.close()
+            return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._conns[sock] = f"tcp-{next(_conn_ids)}-{peer[0]}"
+        c = self._conns[sock] = _Conn(f"tcp-{next(_conn_ids)}-{peer[0]}", new_challenge(), time.monotonic() + HELLO_TIMEOUT_S)
+        sock.setblocking(False)
         self._sel.register(sock, selectors.EVENT_READ)
+        if not self._send(sock, encode(Challenge(c.challenge, required=self.token is not None))):
+            self._drop(sock)
 
-    def _answer(self, sock: socket.socket) -> bool:
-        """Read one frame and answer it; True if it was a propose request."""
-        conn = self._conns[sock]
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sock, c in list(self._conns.items()):
+            if not c.proven and now > c.deadline:
+                logger.debug("connection %s did not prove the secret in %gs: closed", c.name, HELLO_TIMEOUT_S)
+                self._drop(sock)
+
+    def _read(self, sock: socket.socket) -> list[str]:
+        """Read what has arrived; handle each complete frame. Returns the connection if it got a propose request."""
+        c = self._conns[sock]
         try:
-            sock.settimeout(30.0)  # a frame that started must finish
-            kind, data = recv_frame(sock)
+            data = sock.recv(1 << 20)
+        except BlockingIOError:
+            return []
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sock)
+            return []
+        c.buffer += data
+        answered = False
+        limit = self.max_frame_bytes if c.proven else HELLO_FRAME_BYTES
+        while len(c.buffer) >= _HEADER.size and sock in self._conns:
+            size, kind = _HEADER.unpack_from(c.buffer)
+            if size > limit or kind not in (MESSAGE, LINK_SETUP):
+                logger.warning("dropping connection %s: a %d-byte frame of kind %d (limit %d bytes)", c.name, size, kind, limit)
+                self._drop(sock)
+                return []
+            if len(c.buffer) < _HEADER.size + size:
+                break
+            data = bytes(c.buffer[_HEADER.size:_HEADER.size + size])
+            del c.buffer[:_HEADER.size + size]
+            answered |= self._answer(sock, c, kind, data)
+        return [c.name] if answered and sock in self._conns else []
+
+    def _send(self, sock: socket.socket, data: bytes, kind: int = MESSAGE, timeout_s: float = 10.0) -> bool:
+        """Send one frame (blocking up to ``timeout_s``, then back to non-blocking reads); False if it failed."""
+        try:
+            sock.settimeout(timeout_s)
+            send_frame(sock, data, kind)
+            sock.setblocking(False)
+            return True
+        except OSError:
+            return False
+
+    def _answer(self, sock: socket.socket, c: _Conn, kind: int, data: bytes) -> bool:
+        """Handle one frame; True if it was a propose request."""
+        try:
+            if not c.proven:
+                return self._prove(sock, c, kind, data)
             if kind == LINK_SETUP:
                 self._setup_link(sock, msgpack.unpackb(data))
                 return False
             msg = decode(data)
-            if isinstance(msg, Hello):
-                send_frame(sock, encode(self.service.hello(conn, msg)))
-                return False
             if not isinstance(msg, ProposeRequest):
                 raise ProtocolError(f"unexpected {type(msg).__name__}")
-            reply = self.service.handle(conn, msg)
+            reply = self.service.handle(c.name, msg)
             link = self.links.get(sock)
             layout = packed = None
             if link is not None:
                 reply, layout, packed = strip_probs(reply)
             if layout is None:
-                send_frame(sock, encode(reply))
+                ok = self._send(sock, encode(reply))
             else:
-                send_frame(sock, msgpack.packb([layout, encode(reply)]), MESSAGE_WITH_TENSOR)
+                ok = self._send(sock, msgpack.packb([layout, encode(reply)]), MESSAGE_WITH_TENSOR)
                 link.send(packed)
-            return True
-        except (OSError, ProtocolError) as exc:
-            if not isinstance(exc, ConnectionError):
-                logger.warning("dropping connection %s: %s", conn, exc)
+            if not ok:
+                self._drop(sock)
+            return ok
+        except (OSError, ProtocolError, ValueError) as exc:
+            logger.warning("dropping connection %s: %s", c.name, exc)
             self._drop(sock)
             return False
         except Exception:  # a bug while answering: this connection's target resyncs, the server lives on
-            logger.exception("draft failed answering %s; dropping the connection", conn)
+            logger.exception("draft failed answering %s; dropping the connection", c.name)
             self._drop(sock)
             return False
+
+    def _prove(self, sock: socket.socket, c: _Conn, kind: int, data: bytes) -> bool:
+        """The first frame must be a Hello proving the secret; anything else closes the connection."""
+        msg = decode(data) if kind == MESSAGE else None
+        if not isinstance(msg, Hello):
+            raise ProtocolError("the first frame must be a Hello")
+        if not verify(self.token, "target", c.challenge, msg.proof):
+            logger.warning("refusing %s (target %r): it did not prove the draft's token", c.name, msg.target_id)
+            self._send(sock, encode(HelloReply(self.service.draft_id, None, "authentication failed: wrong or missing draft token")))
+            self._drop(sock)
+            return False
+        c.proven = True
+        reply = dataclasses.replace(self.service.hello(c.name, msg), proof=prove(self.token, "draft", msg.challenge))
+        if not self._send(sock, encode(reply)):
+            self._drop(sock)
+        return False
 
     def _setup_link(self, sock: socket.socket, request) -> None:
         """Join the target's two-rank group (blocking until it joins too), then answer."""
         if self.link_factory is None or not isinstance(request, dict) or not isinstance(request.get("group"), str):
-            send_frame(sock, msgpack.packb({"error": "this draft offers no tensor link"}), LINK_SETUP)
+            self._send(sock, msgpack.packb({"error": "this draft offers no tensor link"}), LINK_SETUP)
             return
         try:
             self.links[sock] = self.link_factory(request["group"])
-            send_frame(sock, msgpack.packb({"ok": True}), LINK_SETUP)
+            self._send(sock, msgpack.packb({"ok": True}), LINK_SETUP)
         except Exception as exc:  # the target falls back to reconnecting (and says why)
             logger.warning("tensor link %s failed: %s", request["group"], exc)
-            send_frame(sock, msgpack.packb({"error": f"{type(exc).__name__}: {exc}"}), LINK_SETUP)
+            self._send(sock, msgpack.packb({"error": f"{type(exc).__name__}: {exc}"}), LINK_SETUP)
 
     def _drop(self, sock: socket.socket) -> None:
         link = self.links.pop(sock, None)
         if link is not None:
             link.close()
-        conn = self._conns.pop(sock, None)
+        c = self._conns.pop(sock, None)
         try:
             self._sel.unregister(sock)
         except (KeyError, ValueError):
             pass
         sock.close()
-        if conn is not None:
-            self.service.drop(conn)
+        if c is not None:
+            self.counters["num_dropped"] += 1
+            if c.proven:
+                self.service.drop(c.name)
 
     def close(self) -> None:
         self._stop.set()

@@ -59,7 +59,7 @@ class RayEngine:
 
         from .workers import DraftWorker, TargetWorker
 
-        self.config = cfg = config
+        self.config = cfg = config.with_draft_token()  # both sides get it: the draft's port is authenticated
         self._started_ray = connect(cfg.cluster)
         self.pg = None
         self.target = None

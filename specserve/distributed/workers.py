@@ -126,6 +126,7 @@ class DraftWorker:
     @_say_why("draft")
     def __init__(self, config: dict, registry=None, name: str | None = None):
         from ..build import build_draft_service, set_cpu_threads
+        from ..secret import resolve_token
         from ..transport import DraftServer
 
         configure_worker_logging()
@@ -141,7 +142,9 @@ class DraftWorker:
             from .collective import link_factory
 
             links = link_factory(self.config.channel.collective_backend, rank=1, device=self.config.draft.device)
-        self.server = DraftServer(self.service, port=self.config.channel.draft_port, link_factory=links)
+        ch = self.config.channel
+        self.server = DraftServer(self.service, port=ch.draft_port, link_factory=links,
+                                  token=resolve_token(ch.draft_token, ch.draft_token_file), max_frame_bytes=int(ch.max_frame_mb * 2**20))
         self.info = {**info, "name": self.name, "address": self.server.address, "load_s": time.perf_counter() - started}
         logger.info("draft %s serving at %s (loaded in %.1fs)", self.name, self.server.address, self.info["load_s"])
         self._announcer = _Announcer(registry, "draft", self.name, self.metrics) if registry is not None else None
@@ -183,6 +186,7 @@ class TargetWorker:
     def __init__(self, config: dict, drafts: list | None = None, registry=None, draft_deployment=None, name: str | None = None):
         from ..build import DraftLink, build_engine_loop, set_cpu_threads
         from ..devices import placement
+        from ..secret import resolve_token
         from ..transport import SocketEndpoint
 
         configure_worker_logging()
@@ -202,7 +206,9 @@ class TargetWorker:
                 from .collective import link_factory
 
                 links = link_factory(cfg.channel.collective_backend, rank=0, device=cfg.target.device)
-            link = DraftLink(self._discover, lambda name, address: SocketEndpoint(address, delay, link_factory=links), self.name,
+            token = resolve_token(cfg.channel.draft_token, cfg.channel.draft_token_file)
+            link = DraftLink(self._discover, lambda name, address: SocketEndpoint(address, delay, link_factory=links, token=token),
+                             self.name,
                              hello_info={"ip": info["ip"], "device": cfg.target.device, "placement": placement(cfg.target.device)})
         self.loop = build_engine_loop(cfg, link, name=f"specserve-engine-{self.name}")  # specserve's engine, or the backend's (vllm)
         target = self.loop.core.target

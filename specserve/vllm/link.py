@@ -7,7 +7,8 @@ the engine can read its pool and per-step counts. From another process (``vllm s
 tensor-parallel workers) the environment names the drafts: ``SPECSERVE_DRAFT_ADDRESS=
 host:port[,host:port]`` (draft servers, e.g. ``specserve draft``) or
 ``SPECSERVE_DRAFT_APP=<Serve app>`` (that app's ``Registry`` deployment lists its live
-drafts, on the Ray cluster ``RAY_ADDRESS`` names). Knows nothing of vLLM.
+drafts, on the Ray cluster ``RAY_ADDRESS`` names), and ``SPECSERVE_DRAFT_TOKEN`` the secret
+the drafts require (``secret.py``). Knows nothing of vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import socket
 from dataclasses import dataclass
 
 from ..build import DraftLink
+from ..secret import resolve_token
 from ..transport import SocketEndpoint, parse_address
 
 ADDRESS_ENV = "SPECSERVE_DRAFT_ADDRESS"
@@ -53,8 +55,10 @@ def default_target_id() -> str:
 
 
 def from_names(addresses: list[str], app: str | None, delay_ms: float = 0.0, target_id: str | None = None) -> DraftLink | None:
-    """A link to fixed draft addresses, or to the drafts a Serve app's registry lists; None if neither is given."""
-    connect = lambda name, address: SocketEndpoint(address, delay_ms)  # noqa: E731
+    """A link to fixed draft addresses, or to the drafts a Serve app's registry lists; None if neither is given.
+    The drafts' secret comes from ``$SPECSERVE_DRAFT_TOKEN``."""
+    token = resolve_token()
+    connect = lambda name, address: SocketEndpoint(address, delay_ms, token=token)  # noqa: E731
     target_id = target_id or default_target_id()
     if addresses:
         for a in addresses:

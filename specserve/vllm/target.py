@@ -21,6 +21,7 @@ from collections import deque
 from ..engine import EngineLoop, RequestQueue, StepResult
 from ..models import load_tokenizer, vocab_fingerprint
 from ..outputs import SpecMetrics, StepDelta
+from ..secret import TOKEN_ENV, resolve_token
 from ..stopping import StopChecker
 from . import link as links
 from .options import engine_kwargs, prepare_env, require_vllm, sync_omp_threads
@@ -66,6 +67,9 @@ class VLLMEngineCore(RequestQueue):
                     "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id, "adaptive": spec.adaptive}
             if t.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
                 opts.update(links.portable(link))  # the proposer will run in vLLM's worker processes
+                token = resolve_token(cfg.channel.draft_token, cfg.channel.draft_token_file)
+                if token:  # they inherit this environment (vLLM logs its config, so the secret stays out of it)
+                    os.environ[TOKEN_ENV] = token
             extra["additional_config"] = {"specserve": opts}
         self.llm = LLM(**engine_kwargs(t, cfg.engine.max_model_len, tokenizer is not None, **extra))
         self.engine = self.llm.llm_engine
