@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="dtype of every real model [float32]")
     p.add_argument("--side-cpus", type=float, default=0.25, help="Ray: logical CPUs reserved per side [0.25]")
     p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the two-node Ray systems")
+    p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
+                   help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
     p.add_argument("--shared-cores", action="store_true",
                    help="no device emulation: both Ray nodes and the colocated systems on every core (the old mode)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers assisted generation")
@@ -113,7 +115,7 @@ def bench_scenario(scenario, args, cluster_address, bar, results) -> None:
                 results["skipped"].append({"scenario": scenario.name, "system": spec.name, "reason": f"failed to load: {exc}"})
         specs = [s for s in scenario.systems if s.name in runners]
         for batch in args.batch_sizes:
-            prompts = scenario.prompts[: max(batch, args.num_prompts)]
+            prompts = scenario.prompts[: max(batch, args.num_prompts) if args.load == "wave" else max(3 * batch, args.num_prompts)]
             live = []
             for spec in specs:  # warm-up (also finds the systems that cannot run this batch size)
                 bar.set_postfix_str(f"{scenario.name} b={batch}: warm-up {spec.name}")
@@ -174,7 +176,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    num_prompts = max(args.batch_sizes + [args.num_prompts])
+    num_prompts = max(args.batch_sizes + [args.num_prompts]) * (3 if args.load == "sustained" else 1)
     meta = {k: v for k, v in vars(args).items() if k != "from_json"}
     meta.update(cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -12,13 +12,19 @@ draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on eve
   auto), an emulated one-way link delay of X ms.
 - ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off (both at 0 ms).
 
-For each batch size every system is warmed up, then the repeats run round-robin with the order
-rotating, so a noisy moment hits all alike. Per row: tokens/s (median, min-max), the ratio to
-vLLM colocated and to vLLM target-only, acceptance, tokens per step, the per-step split
-(verify, draft wait, link, specserve's own overhead), the cache-hit rate, whether every output
-equals vLLM target-only's token for token, and the ideal two-device ratio, colocated step time
-/ (verify + link): what a draft hidden completely behind verification would give at the same
-tokens per step, with the fraction of it reached. Tables to stdout and ``--out``/tables.md,
+Load: ``sustained`` (default) keeps B requests in flight over max(prompts, 3 B) prompts, a new
+one starting as soon as one finishes: serving at concurrency B. ``wave`` sends the prompts in
+waves of exactly B and waits for each wave: a batch job's latency, where speculation also pays
+for the wave waiting on its slowest request while the batch shrinks. For each batch size every
+system is warmed up, then the repeats run round-robin with the order rotating, so a noisy
+moment hits all alike. Per row: tokens/s (median, min-max), the ratio to vLLM colocated and to
+vLLM target-only, acceptance, tokens per step, the per-step split (verify, draft wait, link,
+specserve's own overhead), the cache-hit rate, whether every output equals vLLM target-only's
+token for token, and the ideal two-device ratio: colocated step time / (verify + link), where
+verify is this system's own step with the wait for the draft's compute taken out (both step
+times are wall time per engine step, scheduling and request handling included): what a draft
+hidden completely behind verification would give at the same tokens per step, with the
+fraction of it reached. Tables to stdout and ``--out``/tables.md,
 everything to results.json, a plot to speedup_vs_batch.png.
 
     python -m benchmarks.bench_vllm                          # demo and realistic pairs, batch 1, 8, 32 (~1 h on 2 cores)
@@ -58,7 +64,7 @@ class PlainVLLM:
                 out[m.name] = out.get(m.name, 0) + m.count
         return out
 
-    def run(self, prompts, batch: int, max_tokens: int) -> dict:
+    def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -67,9 +73,21 @@ class PlainVLLM:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         before = self._counters()
         start, token_ids = time.perf_counter(), []
-        for i in range(0, len(prompts), batch):
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + batch]], params, use_tqdm=False)
-            token_ids += [list(o.outputs[0].token_ids) for o in outs]
+        if sustained:  # B in flight: the engine's own loop, a new request added as soon as one finishes
+            engine, done, added = self.llm.llm_engine, {}, 0
+            self.runs = getattr(self, "runs", 0) + 1
+            while len(done) < len(prompts):
+                while added < len(prompts) and added - len(done) < batch:
+                    engine.add_request(f"run{self.runs}-{added}", TokensPrompt(prompt_token_ids=prompts[added]), params)
+                    added += 1
+                for o in engine.step():
+                    if o.finished:
+                        done[int(o.request_id.rsplit("-", 1)[1])] = list(o.outputs[0].token_ids)
+            token_ids = [done[i] for i in range(len(prompts))]
+        else:
+            for i in range(0, len(prompts), batch):
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + batch]], params, use_tqdm=False)
+                token_ids += [list(o.outputs[0].token_ids) for o in outs]
         wall = time.perf_counter() - start
         c = {k: v - before.get(k, 0) for k, v in self._counters().items()}
         return {"wall_s": wall, "token_ids": token_ids, "num_steps": c.get(STEPS, 0), "num_drafts": c.get(SPEC[0], 0),
@@ -82,10 +100,10 @@ class VLLMRunner:
 
         self.actor = ray.remote(PlainVLLM).options(num_cpus=0.25, label_selector={ROLE: "target"}).remote(**kwargs)
 
-    def run(self, prompts, batch: int, max_tokens: int) -> dict:
+    def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
         import ray
 
-        return ray.get(self.actor.run.remote(prompts, batch, max_tokens))
+        return ray.get(self.actor.run.remote(prompts, batch, max_tokens, sustained))
 
     def close(self) -> None:
         import ray
@@ -102,14 +120,17 @@ class SpecserveRunner:
         self.llm = LLM(target, draft=draft, ray=True, target_backend="vllm", target_backend_options=vllm_options,
                        target_num_cpus=0.25, draft_num_cpus=0.25, cpu_threads=1, runtime_env={"env_vars": THREAD_ENV}, **options)
 
-    def run(self, prompts, batch: int, max_tokens: int) -> dict:
+    def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
         from specserve import SamplingParams
 
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         before = self.llm.metrics()
         start, outs = time.perf_counter(), []
-        for i in range(0, len(prompts), batch):
-            outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        if sustained:  # B in flight, a new request sent as soon as one finishes (RayEngine's window)
+            outs = self.llm._engine.generate([None] * len(prompts), prompts, [params] * len(prompts), False, max_in_flight=batch)
+        else:
+            for i in range(0, len(prompts), batch):
+                outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after = self.llm.metrics()
         d = lambda key: after[key] - before[key]  # noqa: E731
@@ -121,6 +142,7 @@ class SpecserveRunner:
                 "num_blocks": d("num_blocks"), "num_cache_hits": d("num_cache_hits"), "num_speculative_steps": d("num_proposals"),
                 "verify_ms": t["verify_s"] / verify * 1e3, "draft_wait_ms": t["draft_wait_s"] / spec * 1e3,
                 "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3, "overhead_ms": t["specserve_s"] / steps * 1e3,
+                "draft_compute_s": t["draft_compute_s"],
                 "k": after.get("speculation", {}).get("k"), "draft_ahead": _draft_ahead(after)}
 
     def close(self) -> None:
@@ -150,21 +172,25 @@ def systems(args, target: str, draft: str) -> dict[str, callable]:
 
 
 def bench_pair(name: str, target: str, draft: str, args, log) -> list[dict]:
-    prompts, _ = heldout_prompts(target, max(args.batch_sizes + [args.num_prompts]), args.prompt_tokens)
+    def count(batch: int) -> int:
+        return max(batch, args.num_prompts) if args.load == "wave" else max(3 * batch, args.num_prompts)
+
+    prompts, _ = heldout_prompts(target, max(count(b) for b in args.batch_sizes), args.prompt_tokens)
     runners, records = {}, []
     try:
         for sys_name, make in systems(args, target, draft).items():
             log(f"{name}: loading {sys_name}")
             runners[sys_name] = make()
+        sustained = args.load == "sustained"
         for batch in args.batch_sizes:
-            wave = prompts[: max(batch, args.num_prompts)]
+            wave = prompts[: count(batch)]
             for sys_name, r in runners.items():  # warm-up: this batch size's shapes, and the adaptive controller's estimates
-                r.run(wave[:batch], batch, min(16, args.max_tokens))
+                r.run(wave[:batch], batch, min(16, args.max_tokens), sustained)
             names = list(runners)
             for repeat in range(args.repeats):
                 shift = repeat % len(names)
                 for sys_name in names[shift:] + names[:shift]:
-                    rec = runners[sys_name].run(wave, batch, args.max_tokens)
+                    rec = runners[sys_name].run(wave, batch, args.max_tokens, sustained)
                     records.append({"pair": name, "system": sys_name, "batch": batch, "repeat": repeat, **rec})
                     n = sum(map(len, rec["token_ids"]))
                     log(f"{name:9s} b={batch:<2d} r={repeat + 1} {sys_name:24s} {n / rec['wall_s']:8.1f} tok/s")
@@ -202,8 +228,11 @@ def summarize(records: list[dict], k: int) -> list[dict]:
                 row.update({key: med(key) for key in ("verify_ms", "draft_wait_ms", "link_ms", "overhead_ms")})
                 row["hit_rate"] = sum(r["num_cache_hits"] for r in rs) / blocks if blocks else None
                 row["draft_ahead"], row["k_last"] = rs[-1].get("draft_ahead"), rs[-1].get("k")
-                if col_step_ms and row["verify_ms"] is not None and sum(r["num_speculative_steps"] for r in rs):
-                    row["ideal"] = col_step_ms / (row["verify_ms"] + max(0.0, row["link_ms"]))
+                row["step_ms"] = statistics.median(r["wall_s"] / max(1, r["num_steps"]) * 1e3 for r in rs)
+                if col_step_ms and sum(r["num_speculative_steps"] for r in rs):
+                    # This system's step with the draft's own compute hidden (the link stays): the ideal.
+                    hidden = statistics.median((r["wall_s"] - r["draft_compute_s"]) / max(1, r["num_steps"]) * 1e3 for r in rs)
+                    row["ideal"] = col_step_ms / hidden
                     row["of_ideal"] = row["vs_colocated"] / row["ideal"] if row["vs_colocated"] else None
             else:
                 row["step_ms"] = statistics.median(r["wall_s"] / max(1, r["num_steps"]) * 1e3 for r in rs)
@@ -217,11 +246,10 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| pair | batch | system | tok/s (min-max) | vs colocated | vs target-only | acceptance | tokens/step | "
-            "ms/step: vLLM step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact |")
+            "ms/step: step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact |")
     lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|"]
     for r in rows:
-        split = (f"{_fmt(r['step_ms'], '.1f')} / - / - / - / -" if r["step_ms"] is not None else
-                 f"- / {_fmt(r.get('verify_ms'), '.1f')} / {_fmt(r.get('draft_wait_ms'), '.1f')} / "
+        split = (f"{_fmt(r['step_ms'], '.1f')} / {_fmt(r.get('verify_ms'), '.1f')} / {_fmt(r.get('draft_wait_ms'), '.1f')} / "
                  f"{_fmt(r.get('link_ms'), '.2f')} / {_fmt(r.get('overhead_ms'), '.2f')}")
         lines.append(f"| {r['pair']} | {r['batch']} | {r['system']} | {r['tok_s']:.1f} ({r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f}) | "
                      f"{_fmt(r['vs_colocated'])}x | {_fmt(r['vs_target_only'])}x | {_fmt(r['acceptance'])} | "
@@ -268,6 +296,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row; the table shows the median [3; quick: 1]")
     p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (default: eager, fast starts)")
     p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
+    p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
+                   help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
     p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json, the plot [bench_out/vllm]")
     args = p.parse_args(argv)
     q = args.quick
@@ -303,7 +333,9 @@ def main(argv=None) -> dict:
     rows = summarize(records, args.k)
     text = (f"vLLM side by side, {'shared cores' if args.shared_cores else 'two-device harness'} "
             f"(target cores {cores['target']}, draft cores {cores['draft']}); greedy, k<={args.k}, "
-            f"{args.num_prompts} prompts x {args.max_tokens} tokens (batch B: max(B, prompts)), medians of {args.repeats}\n\n"
+            f"{args.load} load: " + (f"B requests in flight over max({args.num_prompts}, 3 B) prompts" if args.load == "sustained"
+                                     else f"waves of B over max(B, {args.num_prompts}) prompts")
+            + f" x {args.max_tokens} tokens, medians of {args.repeats}\n\n"
             + table(rows))
     print(text)
     (out / "tables.md").write_text(text + "\n")

@@ -63,6 +63,7 @@ class SpecserveRunner:
             kw.update(ray=True, address=cluster_address, target_num_cpus=args.side_cpus, draft_num_cpus=args.side_cpus,
                       channel_delay_ms=spec.delay_ms, runtime_env={"env_vars": THREAD_ENV})
         self.spec, self.llm = spec, LLM(scenario.target, **kw, **options)
+        self.sustained = getattr(args, "load", "wave") == "sustained"
 
     def run(self, prompts, batch: int, max_tokens: int) -> dict:
         from specserve import SamplingParams
@@ -71,8 +72,11 @@ class SpecserveRunner:
         before = self.llm.metrics()
         start = time.perf_counter()
         outs = []
-        for i in range(0, len(prompts), batch):
-            outs += self.llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+        if self.sustained:  # B requests in flight, a new one as each finishes
+            outs = self.llm.generate(prompts, params, use_tqdm=False, max_in_flight=batch)
+        else:
+            for i in range(0, len(prompts), batch):
+                outs += self.llm.generate(prompts[i : i + batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after = self.llm.metrics()
         record = {"wall_s": wall, "token_ids": [list(o.token_ids) for o in outs], **spec_totals(outs),
@@ -188,6 +192,7 @@ class VLLMRunner:
                                      stderr=subprocess.DEVNULL, text=True, env={**env, **THREAD_ENV})
         reply = self._ask(cmd="load", model=scenario.target, draft=scenario.draft if spec.k else None, k=spec.k,
                           dtype=args.dtype, max_model_len=args.vllm_max_model_len, eager=args.vllm_eager)
+        self.sustained = getattr(args, "load", "wave") == "sustained"
         self.version = reply.get("version")
 
     def _ask(self, **cmd) -> dict:
@@ -202,7 +207,7 @@ class VLLMRunner:
         raise RuntimeError(f"the vLLM worker exited (code {self.proc.wait()})")
 
     def run(self, prompts, batch: int, max_tokens: int) -> dict:
-        return self._ask(cmd="run", prompts=prompts, batch=batch, max_tokens=max_tokens)
+        return self._ask(cmd="run", prompts=prompts, batch=batch, max_tokens=max_tokens, sustained=self.sustained)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -5,7 +5,8 @@ imports neither specserve nor the benchmark. Data flow: one JSON command per std
 one reply per stdout line prefixed with ``@@bench `` (vLLM's own logging may share stdout):
 
     {"cmd": "load", "model": dir, "draft": dir | null, "k": 4, "dtype": "float32", "max_model_len": 512, "eager": true}
-    {"cmd": "run", "prompts": [[ids], ...], "batch": 8, "max_tokens": 64}   (prompts in waves of `batch`)
+    {"cmd": "run", "prompts": [[ids], ...], "batch": 8, "max_tokens": 64, "sustained": true}
+        (sustained: `batch` requests in flight, a new one as each finishes; else waves of `batch`)
     {"cmd": "quit"}
 
 A run replies with wall seconds, the token ids and the spec-decode counters it added
@@ -67,13 +68,26 @@ def run(llm, cmd: dict) -> dict:
     prompts, batch = cmd["prompts"], cmd["batch"]
     before = counters(llm)
     start = time.perf_counter()
-    outs = []
-    for i in range(0, len(prompts), batch):
-        outs += llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + batch]], params, use_tqdm=False)
+    token_ids = []
+    if cmd.get("sustained"):
+        engine, done, added = llm.llm_engine, {}, 0
+        run = cmd.setdefault("run_id", str(time.monotonic_ns()))
+        while len(done) < len(prompts):
+            while added < len(prompts) and added - len(done) < batch:
+                engine.add_request(f"{run}-{added}", TokensPrompt(prompt_token_ids=prompts[added]), params)
+                added += 1
+            for o in engine.step():
+                if o.finished:
+                    done[int(o.request_id.rsplit("-", 1)[1])] = list(o.outputs[0].token_ids)
+        token_ids = [done[i] for i in range(len(prompts))]
+    else:
+        for i in range(0, len(prompts), batch):
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + batch]], params, use_tqdm=False)
+            token_ids += [list(o.outputs[0].token_ids) for o in outs]
     wall = time.perf_counter() - start
     after = counters(llm)
     per_pos = [a - (before[PER_POS][j] if j < len(before[PER_POS]) else 0) for j, a in enumerate(after[PER_POS])]
-    return {"wall_s": wall, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    return {"wall_s": wall, "token_ids": token_ids,
             "num_drafts": after[COUNTERS[0]] - before[COUNTERS[0]], "num_draft_tokens": after[COUNTERS[1]] - before[COUNTERS[1]],
             "num_accepted_tokens": after[COUNTERS[2]] - before[COUNTERS[2]], "num_accepted_tokens_per_pos": per_pos}
 

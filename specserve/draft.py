@@ -212,7 +212,7 @@ class DraftSide:
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
         stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,
                            num_forwards=self.drafter.num_forwards, hidden_s=hidden, draft_step_s=step)
-        return ProposeReply(req.step, blocks, missing, refused, stats)
+        return ProposeReply(req.step, blocks, missing, stats, refused)
 
     def prepare(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Work for the next request, off the critical path (the speculation cache)."""

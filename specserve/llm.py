@@ -101,9 +101,13 @@ class LLM:
     def from_config(cls, config: "SpecserveConfig | dict | str | Path", ray: bool = False, **overrides) -> "LLM":
         return cls(config=config, ray=ray, **overrides)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True, max_in_flight: int | None = None) -> list[RequestOutput]:
+        """Outputs in input order. ``max_in_flight``: at most this many requests in the engine at once, a
+        new one starting as each finishes (default: all of them; with ``ray=True``, twice max_num_seqs)."""
+        if max_in_flight is not None and (isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         texts, token_ids, params = normalize_prompts(prompts, sampling_params, self.tokenizer)
-        return self._engine.generate(texts, token_ids, params, use_tqdm)
+        return self._engine.generate(texts, token_ids, params, use_tqdm, max_in_flight)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
         """Async iterator of ``StepDelta`` for one prompt; cancelling it frees the request on both sides."""
@@ -160,7 +164,7 @@ class LocalEngine:
     def target(self):
         return self.loop.core.target
 
-    def generate(self, texts, token_ids, params, use_tqdm=True) -> list[RequestOutput]:
+    def generate(self, texts, token_ids, params, use_tqdm=True, max_in_flight: int | None = None) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         for i, (ids, p) in enumerate(zip(token_ids, params)):
@@ -187,14 +191,20 @@ class LocalEngine:
                     done.put((rid, None))
             return sink
 
+        requests = [(rid, ids, p, sink_for(rid)) for rid, ids, p in zip(order, token_ids, params)]
+        window = max_in_flight or len(requests)
         try:
-            self.loop.submit_many([(rid, ids, p, sink_for(rid)) for rid, ids, p in zip(order, token_ids, params)])
+            self.loop.submit_many(requests[:window])
+            submitted = min(window, len(requests))
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 for _ in order:
                     rid, err = done.get()
                     if err is not None:
                         raise err
                     bar.update(1)
+                    if submitted < len(requests):  # one finished: the next one starts
+                        self.loop.submit_many(requests[submitted:submitted + 1])
+                        submitted += 1
         except BaseException:
             for rid in order:
                 if not outputs[rid].finished:

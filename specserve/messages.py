@@ -137,8 +137,8 @@ class ProposeReply:
     step: int
     blocks: list[DraftBlock] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # request ids the draft does not know (resync them)
-    refused: list[str] = field(default_factory=list)  # sequences over this connection's limits: no drafts for them
     stats: DraftStats = field(default_factory=DraftStats)
+    refused: list[str] = field(default_factory=list)  # sequences over this connection's limits: no drafts for them
 
 
 # -- codec ------------------------------------------------------------------------------------

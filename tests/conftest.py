@@ -124,10 +124,10 @@ def ordered_draft_ahead(monkeypatch):
 
     original = LocalEndpoint.send
 
-    def send(self, req):
+    def send(self, req, awaited=True):
         if self._ahead is not None:
             self._ahead.submit(lambda: None).result()  # one FIFO worker: the previous prepare is done
-        return original(self, req)
+        return original(self, req, awaited)
 
     monkeypatch.setattr(LocalEndpoint, "send", send)
 

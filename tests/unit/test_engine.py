@@ -191,3 +191,19 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_pair, tmp_path):
     finally:
         core.pool.shutdown()
         server.close()
+
+
+def test_generate_keeps_at_most_max_in_flight_requests_in_the_engine(tiny_pair, reference):
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        core = llm._engine.loop.core
+        most, step = [0], core.step
+
+        def counting_step():
+            most[0] = max(most[0], core.num_running + len(core.waiting))
+            return step()
+
+        core.step = counting_step
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, max_in_flight=3)
+        assert [o.token_ids for o in outs] == reference and most[0] == 3
+        with pytest.raises(ValueError, match="max_in_flight"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False, max_in_flight=0)

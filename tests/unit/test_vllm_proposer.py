@@ -35,7 +35,7 @@ class FakeDraft:
     def hello(self, msg, timeout_s):
         return HelloReply("fake", VOCAB)
 
-    def send(self, req):
+    def send(self, req, awaited=True):
         if self.fail:
             raise DraftUnavailable("down")
         self.requests.append(req)
@@ -48,7 +48,7 @@ class FakeDraft:
         self.reply = ProposeReply(req.step, [DraftBlock(rid, len(self.tokens[rid]), [self.tokens[rid][-1] + i + 1 for i in range(k)])
                                              for rid, k in zip(req.request_ids, req.num_draft_tokens)])
 
-    def recv(self, timeout_s):
+    def recv(self, timeout_s, awaited=True):
         return self.reply
 
     def close(self):
