@@ -18,6 +18,7 @@ _EXPORTS = {
     "StepDelta": "specserve.outputs",
     "SpecserveConfig": "specserve.config",
     "SideConfig": "specserve.config",
+    "connect": "specserve.app_client",
 }
 __all__ = sorted(_EXPORTS)
 

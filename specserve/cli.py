@@ -165,13 +165,23 @@ def build_parser() -> argparse.ArgumentParser:
                              "(try: specserve serve --target demo:target --draft demo:draft)")
     add_config_flags(serve_p)
 
-    gen = sub.add_parser("generate", help="batch generation: JSONL prompts in, JSONL outputs out (input order)")
-    gen.add_argument("--input", required=True, help="JSONL: one {'prompt': str} or {'prompt_token_ids': [...]} per line, "
-                     "with optional sampling fields (temperature, top_p, top_k, max_tokens, stop, seed, ...)")
-    gen.add_argument("--output", required=True, help="JSONL written in input order (checked before anything runs)")
+    gen = sub.add_parser("generate", help="batch generation: JSONL prompts in, JSONL outputs out as each finishes; "
+                         "resumable, a failed line is an error row")
+    gen.add_argument("--input", required=True, help="JSONL ('-': stdin), read as it goes: one {'prompt': str} or "
+                     "{'prompt_token_ids': [...]} per line, with optional sampling fields (temperature, max_tokens, stop, seed, ...)")
+    gen.add_argument("--output", required=True, help="JSONL, one row per input line as it finishes: {'index': line number from 0, "
+                     "'text', 'token_ids', 'finish_reason', 'metrics'} or {'index', 'error'}")
+    gen.add_argument("--resume", action="store_true", help="keep the rows --output already has (retrying its error rows) and "
+                     "run only the lines it lacks")
+    gen.add_argument("--ordered", action="store_true", help="write rows in input order (holding only the rows that wait for "
+                     "an earlier one)")
+    gen.add_argument("--window", type=int, default=None, help="requests in flight at once (default: twice max_num_seqs; "
+                     "with --app 256)")
     gen.add_argument("--max-tokens", type=int, default=64, help="max_tokens for lines that do not set it (default: 64)")
     gen.add_argument("--temperature", type=float, default=0.0, help="temperature for lines that do not set it (default: 0, greedy)")
     gen.add_argument("--ray", action="store_true", help="run the target and the draft as Ray actors, placed by label")
+    gen.add_argument("--app", default=None, help="use the running specserve Serve app of this name (its handle API) on the "
+                     "cluster --address / RAY_ADDRESS names, instead of loading models here")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_config_flags(gen, include_server=False)
 
@@ -193,49 +203,70 @@ def _check_output_path(path: str) -> None:
 
 
 def cmd_generate(args) -> int:
-    from .llm import LLM
+    """Exit code: 0 when every line got an output; 1-100 the number of error rows (capped);
+    130 when stopped by Ctrl-C or SIGTERM (the output is valid: rerun with --resume)."""
+    import asyncio
+    import signal
+    import time
+
+    from tqdm.auto import tqdm
+
+    from .batch import BatchRunner, OutputFile, count_lines, open_input, read_jobs
     from .sampling_params import SamplingParams
 
     _check_output_path(args.output)
-    if not os.path.isfile(args.input):
+    if args.input != "-" and not os.path.isfile(args.input):
         raise ValueError(f"--input {args.input!r}: no such file")
-    config = load_config(args)
-    prompts, params = [], []
-    fields = set(SamplingParams.__dataclass_fields__)
-    with open(args.input) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{args.input}:{n}: not valid JSON ({exc})") from None
-            if not isinstance(row, dict) or ("prompt" in row) == ("prompt_token_ids" in row):
-                raise ValueError(f"{args.input}:{n}: each line needs exactly one of 'prompt' or 'prompt_token_ids'")
-            unknown = set(row) - fields - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"{args.input}:{n}: unknown fields {sorted(unknown)}")
-            prompts.append(row.get("prompt", row.get("prompt_token_ids")))
-            sp = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-            sp.update({k: v for k, v in row.items() if k in fields})
-            try:
-                params.append(SamplingParams(**sp))
-            except ValueError as exc:
-                raise ValueError(f"{args.input}:{n}: {exc}") from None
-    from .preflight import preflight
+    if args.app and args.ray:
+        raise ValueError("--app and --ray cannot be combined: --app uses a running app's replicas")
+    if args.window is not None and args.window < 1:
+        raise ValueError(f"--window must be >= 1, got {args.window}")
+    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    SamplingParams(**defaults)  # bad defaults fail here, not on every line
+    if args.app:
+        from .app_client import connect
 
-    preflight(config, distributed=args.ray)
-    with LLM(config=config, ray=args.ray) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    with open(args.output, "w") as f:
-        for i, o in enumerate(outs):
-            f.write(json.dumps({"index": i, "prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
-                                "finish_reason": o.finish_reason, "metrics": o.metrics.to_dict()}) + "\n")
-    drafted = sum(o.metrics.num_draft_tokens for o in outs)
-    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-    rate = f"{accepted / drafted:.1%}" if drafted else "n/a"
-    print(f"wrote {len(outs)} outputs to {args.output} (acceptance rate {rate})", file=sys.stderr)
-    return 0
+        engine, window = connect(args.app, getattr(args, "address", None)), args.window or 256
+    else:
+        from .llm import LLM
+        from .preflight import preflight
+
+        config = load_config(args)
+        preflight(config, distributed=args.ray)
+        engine, window = LLM(config=config, ray=args.ray), args.window or 2 * config.engine.max_num_seqs
+    out = OutputFile(args.output, args.resume, args.ordered)
+    total = count_lines(args.input)
+    runner = BatchRunner(engine, window)
+    started = time.perf_counter()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+
+        def on_signal():
+            runner.stop()
+            print("\nspecserve: stopping: no new requests; waiting for the ones in flight (again to abandon them)",
+                  file=sys.stderr)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        with open_input(args.input) as lines, tqdm(total=None if total is None else max(0, total - out.done.count),
+                                                   desc="generate", unit="req", disable=args.no_progress) as bar:
+            return await runner.run(read_jobs(lines, defaults, out.done), out, bar)
+
+    try:
+        stats = asyncio.run(run())
+    finally:
+        out.close()
+        if not args.app:
+            engine.shutdown()
+    elapsed = time.perf_counter() - started
+    print(f"wrote {stats.written} rows to {args.output} ({stats.failed} failed, {stats.skipped} already done), "
+          f"{stats.tokens} tokens in {elapsed:.1f}s ({stats.tokens / max(elapsed, 1e-9):.0f} tok/s)", file=sys.stderr)
+    if stats.stopped:
+        print(f"specserve: stopped early{f' ({stats.abandoned} abandoned)' if stats.abandoned else ''}: the output is valid; "
+              "rerun with --resume to finish", file=sys.stderr)
+        return 130
+    return min(stats.failed, 100)
 
 
 def cmd_config(args) -> int:

@@ -109,6 +109,12 @@ class LLM:
         texts, token_ids, params = normalize_prompts(prompts, sampling_params, self.tokenizer)
         return self._engine.generate(texts, token_ids, params, use_tqdm, max_in_flight)
 
+    async def generate_async(self, prompt, sampling_params: SamplingParams | None = None,
+                             request_id: str | None = None) -> RequestOutput:
+        """One prompt's whole output, awaited (any number may run at once); cancelling frees it on both sides."""
+        texts, token_ids, params = normalize_prompts([prompt], sampling_params, self.tokenizer)
+        return await self._engine.generate_async(texts[0], token_ids[0], params[0], request_id or new_request_id("async"))
+
     def stream(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
         """Async iterator of ``StepDelta`` for one prompt; cancelling it frees the request on both sides."""
         _, token_ids, params = normalize_prompts([prompt], sampling_params, self.tokenizer)
@@ -214,6 +220,12 @@ class LocalEngine:
 
     def stream(self, token_ids, params, request_id):
         return self.loop.stream(request_id, token_ids, params)
+
+    async def generate_async(self, text, token_ids, params, request_id) -> RequestOutput:
+        out = RequestOutput(request_id, text, list(token_ids))
+        async for delta in self.loop.stream(request_id, token_ids, params):
+            out.add(delta)
+        return out
 
     def metrics(self) -> dict:
         return self.loop.core.metrics()

@@ -140,6 +140,17 @@ class RayEngine:
                 raise
         return outputs
 
+    async def generate_async(self, text, token_ids, params, request_id) -> RequestOutput:
+        """One request's whole output from the target actor (one Ray call, no per-step messages)."""
+        import ray
+
+        try:
+            d = await self.target.generate.remote(request_id, list(token_ids), params.to_dict())
+        except ray.exceptions.RayTaskError as exc:
+            raise unwrap(exc) from None
+        return RequestOutput(request_id, text, list(token_ids), d["token_ids"], d["text"], d["finish_reason"], d["stop_reason"],
+                             SpecMetrics.from_dict(d["metrics"]))
+
     # -- streaming ------------------------------------------------------------------------------
     async def stream(self, token_ids, params, request_id):
         import ray

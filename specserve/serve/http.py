@@ -33,6 +33,12 @@ class APIError(Exception):
         return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
                             headers=self.headers)
 
+    def as_exception(self) -> Exception:
+        """The Python API's form: the request's fault is a ``ValueError``, the server's a ``RuntimeError``."""
+        if self.status < 500:
+            return ValueError(self.message if not self.param or self.param in self.message else f"{self.param}: {self.message}")
+        return RuntimeError(self.message)
+
 
 class DeadTarget(Exception):
     """The target replica died before this request produced output."""
@@ -81,9 +87,12 @@ async def _api_error(request: Request, exc: APIError):
     return exc.response()
 
 
-@fastapi_app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError):
-    errors = exc.errors()
+def validation_message(errors: list[dict]) -> str:
+    """A pydantic validation error in one line that names the field (HTTP 400s and the Python API alike)."""
+    return _validation(errors)[0]
+
+
+def _validation(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0] if errors else {}
     loc = [str(x) for x in first.get("loc", []) if x != "body"]
     param = ".".join(loc) or None
@@ -96,7 +105,13 @@ async def _validation_error(request: Request, exc: RequestValidationError):
         msg = "request body must be a JSON object"
     else:
         msg = f"{param + ': ' if param else ''}{first.get('msg', 'invalid request')}".replace("Value error, ", "")
-    return APIError(400, msg[:500], param=param).response()
+    return msg[:500], param
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    msg, param = _validation(exc.errors())
+    return APIError(400, msg, param=param).response()
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)

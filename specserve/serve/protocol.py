@@ -51,7 +51,12 @@ class _SamplingFields(_Body):
     stream: StrictBool = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream: include_usage.")
     ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past EOS.")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="vLLM extension: token ids that end the output.")
+    skip_special_tokens: StrictBool = Field(True, description="vLLM extension: leave special tokens out of the text.")
     user: Text | None = Field(None, max_length=256, description="Accepted and ignored (OpenAI's end-user id).")
+    request_id: Text | None = Field(None, max_length=256, description="vLLM extension: the caller's id for this request (logs, the response's id).")
+    return_token_ids: StrictBool = Field(False, description="vLLM extension: add the prompt's and the output's token ids to each choice.")
+    idx_in_batch: StrictInt | None = Field(None, description="Accepted and ignored: the row index Ray Data's processor adds.")
     # OpenAI fields accepted only at their neutral value.
     n: StrictInt = Field(1, description="Must be 1: one choice per request.")
     logprobs: Any = Field(None, description="Not supported: must be null/false.")
@@ -81,7 +86,7 @@ class _SamplingFields(_Body):
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or (), seed=self.seed,
-            ignore_eos=self.ignore_eos,
+            ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()), skip_special_tokens=self.skip_special_tokens,
         )
 
     @property

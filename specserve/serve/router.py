@@ -7,7 +7,12 @@ model files) -> the least-loaded ``Target`` replica (Serve's handle) -> SSE chun
 JSON body. Replicas announce themselves to the ``Registry``; the router reads liveness
 there (no live target: 503 at once), health and aggregated metrics. A stream's first chunk
 is awaited before the 200 is sent, so streaming and non-streaming requests fail the same
-way; later failures travel in-band, without internals.
+way; later failures travel in-band, without internals. The same router is the app's Python
+API: ``completions`` / ``chat`` (async generators, called through a ``DeploymentHandle`` with
+``stream=True``, which is how Ray Data's ``ServeDeploymentProcessorConfig`` calls them) take the
+HTTP request models or dicts and yield the HTTP response body (or, for ``stream: true``, the
+chunks), with the same validation, admission limit and metrics; a bad request raises
+``ValueError`` naming the field.
 """
 # No `from __future__ import annotations` here: Serve's ingress reads the endpoints' real annotations.
 
@@ -24,7 +29,8 @@ from ray import serve
 from ..config import SpecserveConfig
 from ..outputs import RequestOutput, StepDelta
 from .edge import EdgeLimits, error_body
-from .http import ERROR_RESPONSES, APIError, DeadTarget, is_dead_replica, next_chunk, usage_body, fastapi_app, unavailable
+from .http import (ERROR_RESPONSES, APIError, DeadTarget, is_dead_replica, next_chunk, usage_body, fastapi_app, unavailable,
+                   validation_message)
 from .metrics import prometheus_text
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -154,15 +160,23 @@ class Router:
                                             "owned_by": "specserve", "max_model_len": limit}]}
 
     @fastapi_app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(self, body: CompletionRequest):
+    async def http_completions(self, body: CompletionRequest):
+        job = await self._completion(body)
+        return await self._respond(job, body)
+
+    @fastapi_app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def http_chat(self, body: ChatCompletionRequest):
+        job = await self._chat(body)
+        return await self._respond(job, body)
+
+    async def _completion(self, body: CompletionRequest) -> tuple:
         self._check_model(body.model)
         await self._ready()
         token_ids = await self._tokens(body.prompt)
         params = self._params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, token_ids)
-        return await self._run("cmpl", False, token_ids, params, body)
+        return "cmpl", False, token_ids, params
 
-    @fastapi_app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat(self, body: ChatCompletionRequest):
+    async def _chat(self, body: ChatCompletionRequest) -> tuple:
         self._check_model(body.model)
         await self._ready()
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -178,7 +192,45 @@ class Router:
         except Exception as exc:  # a template that cannot render these messages is the request's fault
             raise APIError(400, f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
         params = self._params(body, max(1, self.info["max_model_len"] - len(token_ids)), token_ids)
-        return await self._run("chatcmpl", True, token_ids, params, body)
+        return "chatcmpl", True, token_ids, params
+
+    # -- the Python API (DeploymentHandle) ----------------------------------------------------------
+    async def completions(self, request):
+        """One completion through a ``DeploymentHandle`` (``.options(stream=True)``): ``request`` is a
+        ``CompletionRequest`` or a dict of its fields; yields the response body of ``POST
+        /v1/completions`` (for ``stream: true``, its chunks). A bad request raises ``ValueError``."""
+        body = _parse(CompletionRequest, request)
+        async for item in self._handle_call(body, self._completion):
+            yield item
+
+    async def chat(self, request):
+        """One chat completion through a ``DeploymentHandle``; see ``completions``."""
+        body = _parse(ChatCompletionRequest, request)
+        async for item in self._handle_call(body, self._chat):
+            yield item
+
+    async def _handle_call(self, body, prepare):
+        """HTTP's path without HTTP: the same admission limit (a handle call waits for a slot
+        instead of answering 429), validation, metrics and errors, as Python exceptions."""
+        limits, deadline = self.edge, time.monotonic() + self.cfg.server.request_timeout_s
+        while limits.in_flight >= limits.max_pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no room within request_timeout_s ({limits.in_flight} requests in flight)")
+            await asyncio.sleep(0.01)
+        limits.in_flight += 1
+        limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
+        try:
+            job = await prepare(body)
+            started = await self._started(job, body)
+            if body.stream:
+                async for chunk in self._chunks(*started):
+                    yield chunk
+            else:
+                yield await self._collect(*started)
+        except APIError as exc:
+            raise exc.as_exception() from None
+        finally:
+            limits.in_flight -= 1
 
     @fastapi_app.get("/health")
     async def health(self):
@@ -236,8 +288,10 @@ class Router:
         self.last_target_ok = time.monotonic()
         return gen, StepDelta.from_dict(chunk), chunk.get("source")
 
-    async def _run(self, prefix: str, chat: bool, token_ids, params, body):
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+    async def _started(self, job: tuple, body) -> tuple:
+        """Start a job on a target replica (retried on another if one died before any output)."""
+        prefix, chat, token_ids, params = job
+        rid = f"{prefix}-{body.request_id or ''}{'-' if body.request_id else ''}{uuid.uuid4().hex}"
         deadline = time.monotonic() + self.cfg.server.request_timeout_s
         for attempt in range(3):  # a target replica that died before any output: safe to ask another
             try:
@@ -247,9 +301,20 @@ class Router:
                 if attempt == 2 or not self.targets_alive():
                     raise unavailable("the target replica failed; retry shortly") from None
                 await asyncio.sleep(0.2)
+        return rid, chat, gen, first, source, token_ids, body, deadline
+
+    async def _respond(self, job: tuple, body):
+        started = await self._started(job, body)
         if body.stream:
-            return StreamingResponse(self._sse(rid, chat, gen, first, token_ids, body.include_usage, deadline),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            async def sse():
+                async for chunk in self._chunks(*started):
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._collect(*started)
+
+    async def _collect(self, rid, chat, gen, first, source, token_ids, body, deadline) -> dict:
+        """The whole output as one response body."""
         out = RequestOutput(rid, None, token_ids)
         out.add(first)
         try:
@@ -267,47 +332,65 @@ class Router:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice.update(text=out.text, logprobs=None)
+        if body.return_token_ids:
+            choice.update(prompt_token_ids=list(token_ids), token_ids=list(out.token_ids))
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": self.model_name, "choices": [choice], "usage": usage_body(len(token_ids), len(out.token_ids)),
             "specserve": {**out.metrics.to_dict(), "target": source},
         }
 
-    async def _sse(self, rid, chat, gen, first: StepDelta, token_ids, include_usage, deadline: float):
+    async def _chunks(self, rid, chat, gen, first: StepDelta, source, token_ids, body, deadline):
+        """The output as streaming chunks (dicts); a failure after the first is one in-band error chunk."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         created, out = int(time.time()), RequestOutput(rid, None, token_ids)
 
-        def chunk(text: str | None, finish, first_chunk=False) -> str:
+        def chunk(d: StepDelta | None, first_chunk=False) -> dict:
+            text, finish = (d.text if d else ""), (d.finish_reason if d is not None and d.finished else None)
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+            if body.return_token_ids and d is not None:
+                choice["token_ids"] = list(d.token_ids)
+            body_ = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if finish is not None:
-                body["specserve"] = out.metrics.to_dict()
-            return f"data: {json.dumps(body)}\n\n"
+                body_["specserve"] = out.metrics.to_dict()
+            return body_
 
         try:
             if chat:
-                yield chunk("", None, first_chunk=True)
+                yield chunk(None, first_chunk=True)
             d = first
             while True:
                 out.add(d)
-                if d.text or d.finished:
-                    yield chunk(d.text, d.finish_reason if d.finished else None)
+                if d.text or d.finished or (body.return_token_ids and d.token_ids):
+                    yield chunk(d)
                 if d.finished:
                     break
                 d = StepDelta.from_dict(await next_chunk(gen, deadline))
-            if include_usage:
-                usage = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                         "usage": usage_body(len(token_ids), len(out.token_ids))}
-                yield f"data: {json.dumps(usage)}\n\n"
+            if body.include_usage:
+                yield {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
+                       "usage": usage_body(len(token_ids), len(out.token_ids))}
         except Exception as exc:  # after the stream started, errors travel in-band, without internals
             logger.exception("stream %s failed", rid)
             message = (f"the target replica serving request {rid} failed; retry" if is_dead_replica(exc)
                        else f"generation failed (request {rid}); the server logs have the details")
-            yield f"data: {json.dumps(error_body(message, 'server_error'))}\n\n"
+            yield error_body(message, "server_error")
         finally:
             gen.cancel()
-        yield "data: [DONE]\n\n"
+
+
+def _parse(model, request):
+    """A request model from a model or a dict (Ray Data adds its own request_id / idx_in_batch keys)."""
+    if isinstance(request, model):
+        return request
+    if not isinstance(request, dict):
+        raise TypeError(f"request must be a {model.__name__} or a dict of its fields, got {type(request).__name__}")
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(request)
+    except ValidationError as exc:
+        raise ValueError(validation_message(exc.errors())) from None
