@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -123,7 +125,11 @@ class OutputFile:
         else:
             self._held[row["index"]] = row
             self.release(lowest_pending)
-        if time.monotonic() - self._flushed > self.flush_s:
+        self.flush(due=True)
+
+    def flush(self, due: bool = False) -> None:
+        """Flush (``due``: only when the last flush is ``flush_s`` old)."""
+        if not due or time.monotonic() - self._flushed > self.flush_s:
             self.file.flush()
             self._flushed = time.monotonic()
 
@@ -179,13 +185,22 @@ class BatchRunner:
             for t in self._tasks:
                 t.cancel()
 
-    async def run(self, jobs: Iterator[Job], out: OutputFile, progress=None) -> JobStats:
+    async def run(self, jobs: Iterator[Job], out: OutputFile, progress=None, threaded: bool = False) -> JobStats:
+        """``threaded``: the input may block (a pipe): it is read on a thread, so requests in flight
+        finish (and are written) while the next line has not arrived."""
         stats = JobStats(skipped=out.done.count)
         in_flight: set[int] = set()
         slots = asyncio.Semaphore(self.window)
 
         def lowest_pending() -> int | None:
             return min(in_flight) if in_flight else None
+
+        async def flusher() -> None:  # rows reach the disk within a second even when nothing else is written
+            while True:
+                await asyncio.sleep(out.flush_s)
+                out.flush()
+
+        ticker = asyncio.ensure_future(flusher())
 
         async def one(job: Job) -> None:
             try:
@@ -208,8 +223,10 @@ class BatchRunner:
                 progress.update(1)
             slots.release()
 
-        for job in jobs:
-            if not self._admit:
+        next_job = _reader(jobs, self.window, lambda: not self._admit) if threaded else (lambda: _done_future(next(jobs, None)))
+        while self._admit:
+            job = await next_job()
+            if job is None or not self._admit:
                 break
             if job.error is not None:
                 out.write({"index": job.index, "error": job.error}, lowest_pending)
@@ -231,7 +248,40 @@ class BatchRunner:
         stats.stopped = not self._admit
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        ticker.cancel()
         return stats
+
+
+async def _done_future(value):
+    return value
+
+
+def _reader(jobs: Iterator[Job], size: int, stopped):
+    """Jobs read ahead by a daemon thread into a bounded queue; the async side polls it (never blocks
+    the event loop, and a stop does not wait for a line that may never come)."""
+    q: queue.Queue = queue.Queue(maxsize=max(1, size))
+    end = object()
+
+    def read():
+        try:
+            for job in jobs:
+                q.put(job)
+        finally:
+            q.put(end)
+
+    threading.Thread(target=read, name="specserve-input", daemon=True).start()
+
+    async def next_job():
+        while not stopped():
+            try:
+                job = q.get_nowait()
+            except queue.Empty:
+                await asyncio.sleep(0.005)
+                continue
+            return None if job is end else job
+        return None
+
+    return next_job
 
 
 def count_lines(path: str) -> int | None:

@@ -251,7 +251,7 @@ def cmd_generate(args) -> int:
             loop.add_signal_handler(sig, on_signal)
         with open_input(args.input) as lines, tqdm(total=None if total is None else max(0, total - out.done.count),
                                                    desc="generate", unit="req", disable=args.no_progress) as bar:
-            return await runner.run(read_jobs(lines, defaults, out.done), out, bar)
+            return await runner.run(read_jobs(lines, defaults, out.done), out, bar, threaded=args.input == "-")
 
     try:
         stats = asyncio.run(run())

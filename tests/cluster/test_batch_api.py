@@ -129,3 +129,21 @@ def test_ray_data_processor_runs_a_pipeline_against_the_app_while_it_serves_http
     good = [r for r in rows if r["i"] != poisoned]
     assert all(r["error"] == "" for r in good)
     assert [list(r["token_ids"]) for r in good] == [ref for i, ref in enumerate(reference) if i != poisoned]
+
+
+def test_the_readme_ray_data_example_runs_against_the_app(ray_cluster, app, tmp_path):
+    """examples/ray_data_batch.py as the README runs it (another driver on the cluster), token-id prompts."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:12]))
+    run = subprocess.run([sys.executable, str(root / "examples" / "ray_data_batch.py"), "--app", APP, "--address",
+                          ray_cluster.address, "--input", str(inp), "--output", str(tmp_path / "out"), "--max-tokens", "4"],
+                         capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "RAY_ADDRESS": ""})
+    assert run.returncode == 0, run.stdout[-1500:] + run.stderr[-3000:]
+    assert "wrote 12 rows" in run.stdout and "(0 failed)" in run.stdout
