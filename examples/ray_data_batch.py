@@ -24,8 +24,10 @@ def build(app: str, model: str, max_tokens: int, temperature: float, batch_size:
     from ray.data.llm import ServeDeploymentProcessorConfig, build_processor
 
     def preprocess(row: dict) -> dict:
+        prompt = row["prompt"]  # text, or token ids (Ray Data hands a list column over as an array)
+        prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
         return dict(method="completions", dtype=None,  # a dict of CompletionRequest's fields
-                    request_kwargs=dict(model=model, prompt=row["prompt"], max_tokens=max_tokens, temperature=temperature,
+                    request_kwargs=dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                         return_token_ids=True))
 
     def postprocess(row: dict) -> dict:

@@ -173,7 +173,7 @@ def test_readme_batch_example(tmp_path):
 def test_readme_generate_block(tmp_path):
     run_bash(block("generate"), tmp_path)
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert [r["index"] for r in rows] == [0, 1] and all(r["text"] for r in rows)
+    assert sorted(r["index"] for r in rows) == [0, 1] and all(r["text"] for r in rows)  # (as they finish)
 
 
 def test_readme_http_walkthrough(tmp_path):
