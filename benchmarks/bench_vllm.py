@@ -10,13 +10,15 @@ draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on eve
 - ``specserve d=Xms``: specserve with a vLLM target (``RemoteDraftProposer``) on the target node
   and a transformers draft on the draft node, all defaults (adaptive k <= K, ``draft_ahead``
   auto), an emulated one-way link delay of X ms.
-- ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off (both at 0 ms).
+- ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off (both at 0 ms);
+  ``specserve target-only``: specserve's engine loop over the same vLLM target, no draft (what the
+  loop itself costs against vLLM's own ``generate``).
 
 Load: ``sustained`` (default) keeps B requests in flight over max(prompts, 3 B) prompts, a new
 one starting as soon as one finishes: serving at concurrency B. ``wave`` sends the prompts in
 waves of exactly B and waits for each wave: a batch job's latency, where speculation also pays
 for the wave waiting on its slowest request while the batch shrinks. For each batch size every
-system is warmed up, then the repeats run round-robin with the order rotating, so a noisy
+system is warmed up by one whole untimed run, then the repeats run round-robin with the order rotating, so a noisy
 moment hits all alike. Per row: tokens/s (median, min-max), the ratio to vLLM colocated and to
 vLLM target-only, acceptance, tokens per step, the per-step split (verify, draft wait, link,
 specserve's own overhead), the cache-hit rate, whether every output equals vLLM target-only's
@@ -117,7 +119,8 @@ class SpecserveRunner:
     def __init__(self, target: str, draft: str, options: dict, vllm_options: dict):
         from specserve import LLM
 
-        self.llm = LLM(target, draft=draft, ray=True, target_backend="vllm", target_backend_options=vllm_options,
+        self.llm = LLM(target, draft=draft if options.get("num_speculative_tokens", 1) else None, ray=True,
+                       target_backend="vllm", target_backend_options=vllm_options,
                        target_num_cpus=0.25, draft_num_cpus=0.25, cpu_threads=1, runtime_env={"env_vars": THREAD_ENV}, **options)
 
     def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
@@ -133,8 +136,8 @@ class SpecserveRunner:
                 outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after = self.llm.metrics()
-        d = lambda key: after[key] - before[key]  # noqa: E731
-        t = {key: after["timing"][key] - before["timing"][key] for key in after["timing"]}
+        d = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731  (no draft: no proposer counters)
+        t = {key: after["timing"].get(key, 0.0) - before["timing"].get(key, 0.0) for key in after["timing"]}
         steps, spec, verify = max(1, d("num_steps")), max(1, d("num_proposals")), max(1, d("num_verify_steps"))
         return {"wall_s": wall, "token_ids": [list(o.token_ids) for o in outs], "num_steps": d("num_steps"),
                 "num_drafts": sum(o.metrics.num_drafts for o in outs), "num_draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
@@ -143,7 +146,7 @@ class SpecserveRunner:
                 "verify_ms": t["verify_s"] / verify * 1e3, "draft_wait_ms": t["draft_wait_s"] / spec * 1e3,
                 "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3, "overhead_ms": t["specserve_s"] / steps * 1e3,
                 "draft_compute_s": t["draft_compute_s"],
-                "k": after.get("speculation", {}).get("k"), "draft_ahead": _draft_ahead(after)}
+                "k": after.get("speculation", {}).get("k"), "realized": after.get("speculation", {}).get("realized_tokens_per_s"), "draft_ahead": _draft_ahead(after)}
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -168,6 +171,7 @@ def systems(args, target: str, draft: str) -> dict[str, callable]:
     if not args.quick:
         out[f"specserve k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options)
         out["specserve no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options)
+        out["specserve target-only"] = lambda: SpecserveRunner(target, draft, {"num_speculative_tokens": 0}, options)
     return out
 
 
@@ -179,13 +183,15 @@ def bench_pair(name: str, target: str, draft: str, args, log) -> list[dict]:
     runners, records = {}, []
     try:
         for sys_name, make in systems(args, target, draft).items():
+            if args.systems and sys_name not in args.systems:
+                continue
             log(f"{name}: loading {sys_name}")
             runners[sys_name] = make()
         sustained = args.load == "sustained"
         for batch in args.batch_sizes:
             wave = prompts[: count(batch)]
-            for sys_name, r in runners.items():  # warm-up: this batch size's shapes, and the adaptive controller's estimates
-                r.run(wave[:batch], batch, min(16, args.max_tokens), sustained)
+            for sys_name, r in runners.items():  # warm-up, untimed: one whole run, the same for every system
+                r.run(wave, batch, args.max_tokens, sustained)  # (shapes, and the adaptive controller's estimates)
             names = list(runners)
             for repeat in range(args.repeats):
                 shift = repeat % len(names)
@@ -298,6 +304,7 @@ def main(argv=None) -> dict:
     p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
     p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
                    help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
+    p.add_argument("--systems", default=None, help="only these systems, comma-separated names as the table shows them")
     p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json, the plot [bench_out/vllm]")
     args = p.parse_args(argv)
     q = args.quick
@@ -305,6 +312,7 @@ def main(argv=None) -> dict:
     args.batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if q else "1,8,32")).split(",")]
     args.delays_ms = [float(x) for x in (args.delays_ms or ("0" if q else "0,1,5")).split(",")]
     args.max_tokens = args.max_tokens or (24 if q else 64)
+    args.systems = [x.strip() for x in args.systems.split(",")] if args.systems else None
     args.repeats = args.repeats or (1 if q else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,28 +6,26 @@ cache-only blocks holding at least j + 1 tokens), per sequence:
 
     E[tokens | k]             = sum_{i=0..k} prod_{j<i} a_j          (the 1 is the recovered/bonus token)
     E[tokens | k, cache only] = 1 + sum_{i=1..k} c_{i-1} prod_{j<i} a_j
-    cost(0)                   = t_target(B, 1)                      (target-only: no round trip)
+    cost(0)                   = t_target(B, 1)                      (target-only: nothing sent)
     cost(k)                   = t_target(B, k + 1) + link + draft overhead + k * t_miss(B)
     cost(k, cache only)       = t_target(B, k + 1) + link + draft overhead
 
-t_miss(B) is the draft's measured forward time on the critical path per drafted position at
-this batch size: with drafting ahead only misses draft there, and one miss in a batch costs
-the whole batch the wait (prior: (1 - hit rate^B) x the draft's step time). The choice
-maximises E / cost (vLLM's and SGLang's rule, with costs measured online instead of profiled
-at start-up); cache-only is what keeps a remote draft paying at serving batch sizes.
-``t_target`` is a per-batch-size linear fit in the tokens per row. The first
-``warmup_steps`` of each batch-size bucket cycle through k and both modes so every estimate
-of that bucket has data (costs differ by batch size: a batch of 32 must not inherit a batch
-of 1's choice and never measure its own k = 0), and one step in
-``probe_every`` tries a neighbour of the choice (the configured k when speculation is off,
-or the other mode) so acceptance, coverage, the link and the costs keep being measured; a
-cache-only step is only ever tried right after a step that asked the drafts (a draft drafts
-ahead only for what it was asked). ``budget`` is how long the draft has between its reply and
-the next request (the predicted verify + the link's floor, not its mean, which also holds the
-draft finishing a forward before it reads the request): the draft sizes its tree to it. ``predict`` returns the whole
-table (the benchmark prints it). Both target engines (specserve's ``EngineCore`` and the vLLM
-proposer) decide with ``plan_draft_lengths`` and report each step as one ``StepRecord``.
-Pure Python; knows nothing of models or transports.
+t_target is the whole step but the wait for the drafts, per batch-size bucket and width;
+t_miss(B) the draft's critical-path forward time per drafted position (one miss makes the
+whole batch wait); cache-only is what keeps a remote draft paying at serving batch sizes. The
+model picks the k and mode with the most E / cost (vLLM's and SGLang's rule, costs measured
+online). Whether to speculate at all is then settled by what each choice delivered: realized
+tokens per second of wall time, per bucket, over steady stretches (two cycles in a row with
+the same choice), which carries every cost the model does not see (the engine's scheduling and
+output handling, bookkeeping, arrivals). The first ``warmup_steps`` of each bucket cycle through
+k and both modes; one choice in ``probe_every`` probes (less often, down to one in 16 x ``probe_every``, while probes
+of the other choice keep confirming this one): the other choice for ``probe_len``
+steps (so it gets measured), or a neighbouring k, or the other mode. Costs are learned on warm
+steps only (the step before asked the same sequences for at least as much). ``budget`` is the
+time a draft has between its reply and the next request (verify + the link's floor): the draft
+sizes its tree to it. Both target engines (``EngineCore``, the vLLM proposer) decide with
+``plan_draft_lengths`` and report each step as a ``StepRecord`` and a cycle. Pure Python;
+knows nothing of models or transports.
 """
 
 from __future__ import annotations
@@ -80,13 +78,16 @@ class LinearCost:
 
 
 class SpeculationController:
-    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 10, probe_every: int = 64,
-                 prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03):
+    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 14, probe_every: int = 64,
+                 prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03, probe_len: int = 5):
         self.max_k = max_k
         self.adaptive = adaptive
         self.warmup_steps, self.probe_every = warmup_steps, probe_every
         self.prior_token_cost = prior_token_cost
         self.hysteresis = hysteresis
+        self.probe_len = probe_len
+        self.realized: dict[tuple[int, bool], tuple[float, float, int]] = {}  # (bucket, speculating) -> (tokens, seconds, samples)
+        self._cycles: list[tuple[int, bool]] = []  # (bucket, speculating) of the last cycles observed
         self.acceptance = [prior_acceptance] * max(max_k, 1)
         self.coverage = [0.5] * max(max_k, 1)  # cache-only blocks: P(at least j + 1 tokens)
         self.target_cost: dict[int, LinearCost] = {}
@@ -102,6 +103,10 @@ class SpeculationController:
         self._chosen = 0
         self._bucket_chosen: dict[int, int] = {}  # batch bucket -> choices made there (its warm-up)
         self._probe = 0
+        self._since_probe: dict[int, int] = {}  # batch bucket -> choices since its last probe
+        self._probe_gap: dict[int, int] = {}  # batch bucket -> choices between probes (doubles while the choice holds)
+        self._arm_probed: set[int] = set()
+        self._quiet_pushes = 0  # buckets whose other choice was just probed
         self._queued: list[tuple[int, bool]] = []  # (k, cache only) of the next probe steps
 
     # -- observations --------------------------------------------------------------------------
@@ -134,6 +139,26 @@ class SpeculationController:
             self.draft_step_s = draft_step_s
         if num_blocks and warm:
             self.hit_rate = _ema(self.hit_rate, num_hits / num_blocks)
+
+    def observe_cycle(self, batch_size: int, num_tokens: int, seconds: float, speculating: bool, pure: bool = True) -> None:
+        """One engine step's whole cycle (everything between the ends of two steps): what it produced and
+        took. ``pure``: every part of the cycle ran the same choice (a cycle that verifies one choice's
+        drafts while waiting on another's is a switch, and left out); counted once the same choice held
+        for two cycles."""
+        b = _bucket(batch_size)
+        self._cycles = (self._cycles + [(b, speculating)])[-2:] if pure else []
+        if seconds <= 0 or len(self._cycles) < 2 or len(set(self._cycles)) != 1:
+            return
+        # Running sums (a rate of totals, not a mean of rates), per sequence: a bucket spans batch sizes
+        # (5 to 8 share one), and a probe caught in a draining batch must not look slow for it.
+        tokens, secs, n = self.realized.get((b, speculating), (None, None, 0))
+        self.realized[(b, speculating)] = (_ema(tokens, num_tokens / batch_size, 0.2), _ema(secs, seconds, 0.2), n + 1)
+
+    def _measured(self, batch_size: int) -> tuple[float, float] | None:
+        """(realized tokens/s per sequence speculating, not speculating) at this batch size, once both are measured."""
+        b = _bucket(batch_size)
+        on, off = self.realized.get((b, True)), self.realized.get((b, False))
+        return (on[0] / on[1], off[0] / off[1]) if on and off and on[2] >= 3 and off[2] >= 3 else None
 
     # -- the model -----------------------------------------------------------------------------
     def expected_tokens(self, k: int, cache_only: bool = False) -> float:
@@ -191,39 +216,71 @@ class SpeculationController:
         b = _bucket(batch_size)
         seen = self._bucket_chosen[b] = self._bucket_chosen.get(b, 0) + 1
         if seen <= self.warmup_steps:  # cycle k and the mode so every estimate of this batch size has data
-            # (each speculative step follows one that asked for at least as much: it is warm)
-            cycle = ((self.max_k, False), (self.max_k, False), (self.max_k, cache), (max(1, self.max_k // 2), False), (0, False))
+            # (each speculative step follows one that asked for at least as much: it is warm; each choice
+            # holds for a few steps, so its realized rate is measured too)
+            cycle = ((self.max_k, False), (self.max_k, False), (self.max_k, cache), (max(1, self.max_k // 2), False),
+                     (0, False), (0, False), (0, False))
             k, self.cache_only = cycle[(seen - 1) % len(cycle)]
             return k
         if self._queued:
             k, self.cache_only = self._queued.pop(0)
             return k
-        if self._chosen % self.probe_every == 0:  # keep measuring a neighbour of the choice
-            self._probe += 1
-            if self.k == 0:  # speculation is off: one full step, then (with a cache) one cache-only step
-                if cache and self._probe % 2 == 0:
-                    self._queued.append((self.max_k, True))
-                k, self.cache_only = self.max_k, False
-            elif cache and self._probe % 2 == 0:
-                k, self.cache_only = self.k, not self._cache_only_choice
-            else:
-                k, self.cache_only = max(0, min(self.max_k, self.k + (1 if self._probe % 4 == 1 else -1))), self._cache_only_choice
-            return k
         table = [r for r in self.predict(batch_size, cache) if r["tokens_per_s"] is not None]
+        speculative = [r for r in table if r["k"]]
+        best_on = max(speculative, key=lambda r: r["tokens_per_s"]) if speculative else {"k": self.max_k, "cache_only": False}
+        since = self._since_probe[b] = self._since_probe.get(b, 0) + 1
+        if since >= self._probe_gap.get(b, self.probe_every):  # keep measuring
+            self._since_probe[b] = 0
+            self._probe += 1
+            if not self.k or self._probe % 2:  # the other choice, long enough for steady cycles (the realized rates)
+                other = (0, False) if self.k else (best_on["k"], best_on["cache_only"] and cache)
+                self._queued += [other] * (self.probe_len - 1)
+                self._arm_probed.add(b)
+                k, self.cache_only = other
+            elif cache and self._probe % 4 == 0:  # the other mode (the model's coverage and costs)
+                k, self.cache_only = self.k, not self._cache_only_choice
+            else:  # a neighbouring k
+                k = max(1, min(self.max_k, self.k + (1 if self._probe % 8 == 3 else -1)))
+                self.cache_only = self._cache_only_choice and cache
+            return k
         if not table:
             self.cache_only = self._cache_only_choice and cache
             return self.k
         best = max(table, key=lambda r: r["tokens_per_s"])
+        measured = self._measured(batch_size)
+        if measured is not None:  # what was delivered overrules the model on whether to speculate at all
+            on, off = measured
+            if best["k"] and off > on * (1 + self.hysteresis):
+                best = next(r for r in table if r["k"] == 0)
+            elif not best["k"] and speculative and on > off * (1 + self.hysteresis):
+                best = best_on
         current = next((r for r in table if r["k"] == self.k and r["cache_only"] == (self._cache_only_choice and cache)), None)
-        if current is None or best["tokens_per_s"] > current["tokens_per_s"] * (1 + self.hysteresis):
+        switch_arm = current is not None and bool(current["k"]) != bool(best["k"]) and measured is not None
+        if b in self._arm_probed:  # a probe of the other choice has run: it either won or costs less often
+            self._arm_probed.discard(b)
+            gap = self._probe_gap.get(b, self.probe_every)
+            self._probe_gap[b] = self.probe_every if switch_arm else min(gap * 2, self.probe_every * 16)
+        if current is None or switch_arm or best["tokens_per_s"] > current["tokens_per_s"] * (1 + self.hysteresis):
             self.k, self._cache_only_choice = best["k"], best["cache_only"]
         self.cache_only = self._cache_only_choice and cache and self.k > 0
         return self.k
 
+    def push_due(self, batch_size: int, lead: int = 4) -> bool:
+        """Whether a k = 0 step should hand the drafts its deltas (unawaited): during a bucket's warm-up,
+        and ``lead`` choices before its next probe, so the probe starts warm; never otherwise (k = 0
+        steps send nothing)."""
+        b = _bucket(batch_size)
+        if not self.adaptive or self._bucket_chosen.get(b, 0) < self.warmup_steps:
+            self._quiet_pushes += 1
+            return self._quiet_pushes % 4 == 0  # every 4th k = 0 step
+        return self._probe_gap.get(b, self.probe_every) - self._since_probe.get(b, 0) == lead
+
     _cache_only_choice = False  # the mode of the current choice (as opposed to this step's, which probes may change)
 
     def state(self) -> dict:
-        return {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "acceptance_per_pos": list(self.acceptance),
+        realized = {f"{b}/{'on' if on else 'off'}": round(t / s, 1) for (b, on), (t, s, _) in sorted(self.realized.items())}
+        return {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "realized_tokens_per_s": realized,
+                "acceptance_per_pos": list(self.acceptance),  # (realized: tokens/s per sequence, by bucket)
                 "coverage_per_pos": list(self.coverage), "link_ms": (self.link_s or 0.0) * 1e3,
                 "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate, "adaptive": self.adaptive}
 
@@ -234,7 +291,7 @@ class StepRecord:
 
     batch_size: int  # sequences verified
     tokens_per_row: int  # 1 + the longest draft block verified
-    target_s: float  # the verify forward(s)
+    target_s: float  # the step's whole cost but the wait for the drafts: the verify, scheduling, bookkeeping
     outcome: object | None = None  # the drafts' ``ProposeOutcome`` for this step's blocks (None: nothing asked)
     num_blocks: int = 0  # non-empty draft blocks verified
     num_hits: int = 0  # of which answered from the speculation cache

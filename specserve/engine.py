@@ -87,6 +87,7 @@ class EngineCore(RequestQueue):
         self.waiting: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.step_id = 0
         self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (is the next step warm?)
+        self._last_step_end: float | None = None
         self.totals = SpecMetrics()
         self.timing = {k: 0.0 for k in TIMING_KEYS}
         self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_only_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
@@ -157,11 +158,14 @@ class EngineCore(RequestQueue):
         result = StepResult()
         if self.pool is not None:
             self.pool.poll()
+        admitted = time.perf_counter()
         self._admit(result.failed)
+        prefill_s = time.perf_counter() - admitted
         seqs = self.target.seqs
         if not seqs:
             return result
         self.step_id += 1
+        batch = len(seqs)  # (seqs is live: sequences that finish in this step leave it)
         have_draft = self.pool is not None and self.pool.has_drafts
         wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
                                    ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
@@ -174,9 +178,9 @@ class EngineCore(RequestQueue):
             blocks, fallback = outcome.blocks, outcome.fallback
         elif self.pool is not None and not have_draft and self.controller.max_k:
             fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only
-        elif have_draft and self.pool.quiet_step():
+        elif have_draft and self.controller.push_due(batch):
             self.pool.push(self.step_id)  # k = 0: the drafts hear the deltas unawaited and keep up
-        forward_before = self.target.forward_s
+        forward_before, verify_start = self.target.forward_s, time.perf_counter()
         deltas, results, failed = self._verify(blocks, fallback, list(seqs))
         for rid in failed:
             self._close(rid)
@@ -189,17 +193,26 @@ class EngineCore(RequestQueue):
             self.totals.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)
             self.controller.observe_acceptance(d.num_draft_tokens, d.num_accepted_tokens)
         result.deltas = deltas
-        record = StepRecord(len(seqs), 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0),
-                            self.target.forward_s - forward_before, outcome,
+        # The controller learns what the step cost apart from waiting for the drafts (and admitting new
+        # requests): the verify and all the bookkeeping around it, which also grows with k.
+        cost = (time.perf_counter() - verify_start) + (verify_start - start - prefill_s - (outcome.wait_s if outcome else 0.0))
+        record = StepRecord(batch, 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0), cost, outcome,
                             sum(1 for b in blocks.values() if b.draft_token_ids),
                             sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids), wants, cache_only,
                             is_warm(self._last_asked, wants))
         self._last_asked = wants
         observe(self.controller, record)
-        self._account(record, result, time.perf_counter() - start)
+        end = time.perf_counter()
+        # The whole cycle since the last step ended (delivering its outputs included), unless the engine idled.
+        busy = self._last_step_end is not None and start - self._last_step_end < max(0.02, end - start)
+        # (less the prompts it admitted: their cost would land on whichever choice they met)
+        self.controller.observe_cycle(batch, sum(len(d.token_ids) for d in deltas),
+                                      end - (self._last_step_end if busy else start) - prefill_s, bool(wants))
+        self._last_step_end = end
+        self._account(record, result, end - start, self.target.forward_s - forward_before)
         return result
 
-    def _account(self, rec: StepRecord, result: StepResult, wall_s: float) -> None:
+    def _account(self, rec: StepRecord, result: StepResult, wall_s: float, forward_s: float) -> None:
         """The step's numbers into the running totals ``metrics`` reads."""
         t, c, o = self.timing, self.counters, rec.outcome
         if o is not None:
@@ -215,7 +228,7 @@ class EngineCore(RequestQueue):
         c["num_requests_failed"] += len(result.failed)
         c["num_generated_tokens"] += sum(len(d.token_ids) for d in result.deltas)
         c["num_steps"] += 1
-        t["target_forward_s"] += rec.target_s
+        t["target_forward_s"] += forward_s
         t["wall_s"] += wall_s
 
     def idle(self) -> None:
@@ -334,7 +347,8 @@ class EngineLoop:
                 result = self.core.step()
             except Exception as exc:  # a bug: fail the requests it touched loudly, keep serving
                 logger.exception("engine step failed; failing its requests")
-                for rid in list(self.core.target.seqs) + [w[0] for w in self.core.waiting]:
+                # Every request in flight: those the step finished before it failed have not been told either.
+                for rid in set(self.core.target.seqs) | {w[0] for w in self.core.waiting} | set(self._sinks):
                     self.core.abort(rid)
                     self._deliver(rid, RequestFailed(f"engine step failed ({type(exc).__name__})"))
                 continue

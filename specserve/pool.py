@@ -85,7 +85,6 @@ class DraftPool:
         self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0,
                          "num_seqs_refused": 0}
-        self._quiet_steps = 0  # steps that asked no drafts (push delivers their deltas)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
         self._stop = threading.Event()
@@ -330,29 +329,24 @@ class DraftPool:
                 self.assignment.pop(rid)
                 self._assign(rid)
 
-    def quiet_step(self, every: int = 4) -> bool:
-        """Count a step that asked the drafts nothing (k = 0); True on every ``every``-th: time to ``push``."""
-        self._quiet_steps += 1
-        return self._quiet_steps % every == 0
-
     def push(self, step: int) -> None:
         """Send each draft the deltas it has not heard, without waiting for its answer (read before the
         next request to it): while the target decodes alone, the draft feeds them off the critical
         path, so when speculation resumes the next block starts warm instead of from a long catch-up."""
         for d in list(self.drafts.values()):
-            if not d.has_deltas:
-                continue
-            req = self._request(d, step, [], [])
             try:
-                self._read_pushed(d)
-                d.endpoint.send(req, awaited=False)
+                self._read_pushed(d, wait=False)  # never wait here: a draft busy drafting ahead answers later
+                if not d.has_deltas or d.unread >= 4:
+                    continue
+                d.endpoint.send(self._request(d, step, [], []), awaited=False)
                 d.unread += 1
             except DraftUnavailable as exc:
                 self._lost(d, exc)
 
-    def _read_pushed(self, d: _Draft) -> None:
-        """Read the answers to pushed deltas (they were sent before this request, so they arrive first)."""
-        while d.unread:
+    def _read_pushed(self, d: _Draft, wait: bool = True) -> None:
+        """Read the answers to pushed deltas (they were sent before this request, so they arrive first);
+        ``wait`` false: only those already arriving."""
+        while d.unread and (wait or d.endpoint.poll()):
             reply = d.endpoint.recv(self.max_timeout_s, awaited=False)
             d.unread -= 1
             if not isinstance(reply, ProposeReply):

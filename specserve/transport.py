@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import itertools
 import logging
+import select
 import selectors
 import socket
 import struct
@@ -186,6 +187,13 @@ class SocketEndpoint:
         except OSError as exc:
             raise self._call_failed(exc) from None
 
+    def poll(self) -> bool:
+        """Whether an answer has (begun to) arrive, without waiting."""
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True  # a broken socket: the read says so
+
     def recv(self, timeout_s: float, awaited: bool = True):
         try:
             self.sock.settimeout(timeout_s)
@@ -243,6 +251,9 @@ class LocalEndpoint:
                 self._pending = self._ahead.submit(self.service.prepare, self.conn)
             except RuntimeError:  # the interpreter is exiting (executors refuse work): no drafting ahead
                 self._pending = None
+
+    def poll(self) -> bool:
+        return bool(self._replies)
 
     def recv(self, timeout_s: float, awaited: bool = True) -> ProposeReply:
         reply = self._replies.popleft()

@@ -88,6 +88,9 @@ class RemoteDraftProposer:
         opts = (vllm_config.additional_config or {}).get("specserve", {}) if isinstance(vllm_config.additional_config, dict) else {}
         self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)))
         self._step_started: float | None = None  # when the runner began the step being verified
+        self._last_end: float | None = None  # when the previous step's propose returned
+        self._between: float | None = None  # vLLM's own time between that and this step's runner (None: an idle gap)
+        self._between_ema: float | None = None
         self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm) of the last ask
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         if not _is_output_rank():
@@ -140,7 +143,13 @@ class RemoteDraftProposer:
             return
 
         def execute_model(*args, _original=original, **kwargs):
-            self._step_started = time.perf_counter()
+            now = self._step_started = time.perf_counter()
+            # vLLM's scheduling and output handling since the last step (an idle engine's wait is no cost).
+            gap = None if self._last_end is None else now - self._last_end
+            typical = self._between_ema
+            self._between = gap if gap is not None and (typical is None or gap < max(0.02, 4 * typical)) else None
+            if self._between is not None:
+                self._between_ema = gap if typical is None else 0.9 * typical + 0.1 * gap
             return _original(*args, **kwargs)
 
         self.runner.execute_model = execute_model
@@ -223,10 +232,13 @@ class RemoteDraftProposer:
             return [[] for _ in range(n)]
         finally:
             self._last_propose = time.monotonic()
-            self.timing["propose_s"] += time.perf_counter() - start
+            self._last_end = time.perf_counter()
+            self.timing["propose_s"] += self._last_end - start
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled) -> list[list[int]]:
-        verify_s = time.perf_counter() - self._step_started if self._step_started is not None else None
+        entered = time.perf_counter()
+        verify_s = entered - self._step_started if self._step_started is not None else None
+        step_s = verify_s + self._between if verify_s is not None and self._between is not None else None
         self._step_started = None
         n = len(sampled_token_ids)
         self._step += 1
@@ -254,7 +266,12 @@ class RemoteDraftProposer:
                 seq.verifying = seq.fallback = False
             seq.length = length
             live[rid] = (i, seq)
-        self._observe_verify(len(live), 1 + widest, verify_s, prefill)
+        verified = (len(live), 1 + widest, verify_s, step_s, prefill, self._asked)
+        # This step's whole cycle (from the previous propose's end to this one's): what the choice that
+        # drafted for it delivered, every cost included; not after an idle gap.
+        # A cycle that prefilled is left out: the prompt's cost would land on whichever choice it met.
+        cycle = [len(live), sum(len(x) for x in sampled_token_ids), self._between is not None and self._last_end is not None,
+                 self._asked is not None, prefill]
         if self._step % RECONCILE_EVERY == 0:
             self._reconcile()
         drafts: list[list[int]] = [[] for _ in range(n)]
@@ -263,13 +280,15 @@ class RemoteDraftProposer:
                                    ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
                                    cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
         previous = self._asked[2] if self._asked is not None else None
-        if not wants:  # k = 0: nothing asked; now and then the deltas go out unawaited, so the draft keeps up
+        if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
             self._asked = None
-            if have and self.pool.quiet_step():
+            if have and self.controller.push_due(len(live)):
                 for rid, (i, seq) in live.items():
                     if rid in self.seqs:
                         self._tell(rid, seq, token_ids_cpu[i])
                 self.pool.push(self._step)
+            self._observe_verify(*verified, own_s=time.perf_counter() - entered)
+            self._observe_cycle(*cycle, asking=False)
             return drafts
         for rid in wants:
             i, seq = live[rid]
@@ -295,19 +314,32 @@ class RemoteDraftProposer:
         t["draft_wait_s"] += outcome.wait_s
         t["draft_compute_s"] += outcome.compute_s
         t["draft_forward_s"] += outcome.forward_s
+        self._observe_verify(*verified, own_s=time.perf_counter() - entered - outcome.wait_s)
+        self._observe_cycle(*cycle, asking=True)
         return drafts
 
-    def _observe_verify(self, batch_size: int, tokens_per_row: int, verify_s: float | None, prefill: bool) -> None:
-        """The controller learns from the step vLLM just verified (the blocks asked for last step).
-        A step that also prefilled says nothing about a verify's cost and is left out."""
-        outcome, handed, asked, cache_only, warm = self._asked if self._asked is not None else (None, {}, {}, False, False)
+    def _observe_verify(self, batch_size: int, tokens_per_row: int, verify_s: float | None, step_s: float | None,
+                        prefill: bool, last_ask, own_s: float) -> None:
+        """The controller learns from the step vLLM just verified (the blocks of ``last_ask``): its cost is
+        vLLM's whole step (scheduling and output handling included) and this proposer's own time, all but
+        the wait for the drafts. A step that also prefilled, or followed an idle gap, is left out."""
+        outcome, handed, asked, cache_only, warm = last_ask if last_ask is not None else (None, {}, {}, False, False)
         hits = sum(1 for b in handed.values() if b.cache_hit)
         self.counters["num_cache_hits"] += hits
         if verify_s is None or prefill or not batch_size:
             return
         self.timing["verify_s"] += verify_s
         self.counters["num_verify_steps"] += 1
-        observe(self.controller, StepRecord(batch_size, tokens_per_row, verify_s, outcome, len(handed), hits, asked, cache_only, warm))
+        if step_s is not None:
+            observe(self.controller, StepRecord(batch_size, tokens_per_row, step_s + own_s, outcome, len(handed), hits, asked,
+                                                cache_only, warm))
+
+    def _observe_cycle(self, batch_size: int, num_tokens: int, busy: bool, verified_drafts: bool, prefill: bool,
+                       asking: bool) -> None:
+        """This cycle verified the last ask's drafts (or none) and waited on this step's ask (or none)."""
+        if busy and batch_size:
+            self.controller.observe_cycle(batch_size, num_tokens, time.perf_counter() - self._last_end, asking,
+                                          pure=verified_drafts == asking and not prefill)
 
     def _seeded_sampled(self, rid: str) -> bool:
         params = getattr(getattr(self.runner, "requests", {}).get(rid), "sampling_params", None)

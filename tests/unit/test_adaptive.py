@@ -71,3 +71,52 @@ def test_expected_tokens_follow_per_position_acceptance():
     ctrl.acceptance = [0.5, 0.5, 0.5]
     assert ctrl.expected_tokens(0) == 1.0
     assert ctrl.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
+
+
+def feed_cycles(ctrl: SpeculationController, batch: int, hidden_s: float, steps: int) -> list[int]:
+    """Steps the model thinks pay (fast draft, high acceptance) but whose whole cycle carries a cost the
+    model does not see (``hidden_s`` per speculative step: e.g. the engine's handling of longer outputs)."""
+    chosen = []
+    for i in range(steps):
+        k = ctrl.choose(batch)
+        chosen.append(k)
+        t_target = 0.01 + 0.0001 * k * batch
+        accepted = k if k and i % 5 else max(0, k - 1)
+        if k:
+            ctrl.observe_acceptance(k, accepted)
+            ctrl.observe_step(batch, k + 1, t_target, wait_s=0.0002, draft_compute_s=0.0001, draft_forward_s=0.0001,
+                              draft_step_s=0.0001)
+        else:
+            ctrl.observe_step(batch, 1, t_target)
+        ctrl.observe_cycle(batch, batch * (1 + accepted), t_target + (hidden_s if k else 0.0), bool(k))
+    return chosen
+
+
+def test_what_was_delivered_overrules_the_model_on_whether_to_speculate():
+    ctrl = SpeculationController(max_k=4)
+    chosen = feed_cycles(ctrl, batch=8, hidden_s=0.1, steps=400)  # speculating pays in the model, not in the cycles
+    assert settled(chosen) == 0 and ctrl.predict(8)[4]["speedup"] > 1.2
+    assert ctrl.state()["realized_tokens_per_s"]["8/off"] > ctrl.state()["realized_tokens_per_s"]["8/on"]
+    honest = SpeculationController(max_k=4)
+    assert settled(feed_cycles(honest, batch=8, hidden_s=0.0, steps=400)) > 0  # the model right: it holds
+
+
+def test_probes_of_a_losing_choice_become_rarer():
+    ctrl = SpeculationController(max_k=4, probe_every=16)
+    chosen = feed_cycles(ctrl, batch=8, hidden_s=0.1, steps=3000)
+    late = chosen[-1000:]
+    # one probe of 5 steps in 16 would be ~310 speculative steps in 1,000: probes back off while they confirm k = 0
+    assert sum(1 for k in late if k) < 1000 / 16 * 5 / 4
+    assert any(k for k in late)  # but never stop
+
+
+def test_k_zero_steps_hand_the_drafts_their_deltas_only_before_a_probe():
+    ctrl = SpeculationController(max_k=4, probe_every=16)
+    feed_cycles(ctrl, batch=8, hidden_s=0.1, steps=2000)  # settled on k = 0, probes far apart
+    pushes, probes = 0, 0
+    for _ in range(1000):
+        k = ctrl.choose(8)
+        probes += k > 0
+        pushes += k == 0 and ctrl.push_due(8)
+        ctrl.observe_cycle(8, 8 if not k else 16, 0.01 if not k else 0.2, bool(k))
+    assert 0 < pushes <= probes  # one push ahead of each probe, nothing sent on the other k = 0 steps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -207,3 +208,23 @@ def test_generate_keeps_at_most_max_in_flight_requests_in_the_engine(tiny_pair, 
         assert [o.token_ids for o in outs] == reference and most[0] == 3
         with pytest.raises(ValueError, match="max_in_flight"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False, max_in_flight=0)
+
+
+def test_a_step_that_fails_after_finishing_requests_fails_them_too(tiny_pair, reference, monkeypatch):
+    """A bug late in a step (after some sequences finished and left the batch) fails every request in
+    flight, those already finished included: nobody waits forever for a reply that was never sent."""
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        core = llm._engine.loop.core
+        original, broken = core.controller.observe_cycle, [True]
+
+        def observe_cycle(*args, **kwargs):
+            if broken[0] and not core.target.seqs:  # every sequence of the step finished: only the reply is left
+                broken[0] = False
+                raise RuntimeError("bug")
+            return original(*args, **kwargs)
+
+        core.controller.observe_cycle = observe_cycle
+        short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, pytest.raises(RequestFailed, match="engine step failed"):
+            pool.submit(llm.generate, PROMPTS[:2], short, use_tqdm=False).result(timeout=120)  # (was: waited forever)
+        assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)] == reference[:3]  # still serving

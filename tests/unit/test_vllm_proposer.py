@@ -51,6 +51,9 @@ class FakeDraft:
     def recv(self, timeout_s, awaited=True):
         return self.reply
 
+    def poll(self):
+        return True
+
     def close(self):
         pass
 
