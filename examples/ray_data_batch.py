@@ -8,8 +8,8 @@ demo:target --draft demo:draft`` or ``serve run deployments/single_node.yaml``, 
 
 Each row goes to the app's ``Router.completions`` (the same request model, validation and
 limits as ``POST /v1/completions``) via ``ServeDeploymentProcessorConfig`` + ``build_processor``;
-the outputs land in ``out_dir`` as JSON lines with the text, the token ids and the row's error
-(empty when it succeeded: one bad row does not stop the job).
+the outputs land in ``out_dir`` as JSON lines with the text and the token ids, or the row's
+``__inference_error__`` (one bad row does not stop the job).
 """
 
 from __future__ import annotations
@@ -20,23 +20,24 @@ DEMO_PROMPTS = ["def add(a, b):\n", "class Stack:\n", "import os\n", "def fibona
 
 
 def build(app: str, model: str, max_tokens: int, temperature: float, batch_size: int = 16):
-    """The processor: rows with a ``prompt`` column in; ``text``, ``token_ids`` and ``error`` out."""
+    """The processor: rows with a ``prompt`` column in; ``text``, ``token_ids`` and ``__inference_error__`` out."""
     from ray.data.llm import ServeDeploymentProcessorConfig, build_processor
+
+    from specserve.serve.protocol import CompletionRequest
 
     def preprocess(row: dict) -> dict:
         prompt = row["prompt"]  # text, or token ids (Ray Data hands a list column over as an array)
         prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
-        return dict(method="completions", dtype=None,  # a dict of CompletionRequest's fields
+        return dict(method="completions", dtype="CompletionRequest",  # built from these fields by Ray Data
                     request_kwargs=dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                                         return_token_ids=True))
 
-    def postprocess(row: dict) -> dict:
-        choices = row.get("choices")
-        ok = choices is not None and len(choices) > 0
-        return dict(prompt=row.get("prompt"), text=choices[0]["text"] if ok else None,
-                    token_ids=list(choices[0]["token_ids"]) if ok else None, error=row.get("__inference_error__") or "")
+    def postprocess(row: dict) -> dict:  # success rows only: Ray Data passes error rows on as they are
+        choice = row["choices"][0]
+        return dict(text=choice["text"], token_ids=list(choice["token_ids"]))
 
-    config = ServeDeploymentProcessorConfig(deployment_name="Router", app_name=app, dtype_mapping=None, batch_size=batch_size,
+    config = ServeDeploymentProcessorConfig(deployment_name="Router", app_name=app, dtype_mapping={"CompletionRequest": CompletionRequest},
+                                            batch_size=batch_size,
                                             concurrency=1, should_continue_on_error=True)
     return build_processor(config, preprocess=preprocess, postprocess=postprocess)
 
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
     out = build(args.app, model, args.max_tokens, args.temperature)(ds)
     out.write_json(args.output)
     rows = ray.data.read_json(args.output).take_all()
-    failed = sum(1 for r in rows if r["error"])
+    failed = sum(1 for r in rows if r.get("__inference_error__"))
     print(f"wrote {len(rows)} rows to {args.output} ({failed} failed)")
     return 1 if failed else 0
 

@@ -34,10 +34,12 @@ class APIError(Exception):
                             headers=self.headers)
 
     def as_exception(self) -> Exception:
-        """The Python API's form: the request's fault is a ``ValueError``, the server's a ``RuntimeError``."""
+        """The Python API's form: the request's fault is a ``ValueError``; no target to serve it now (503)
+        a ``TimeoutError`` (retry later; Ray Data's processor makes both a row error, not a failed job);
+        another server fault a ``RuntimeError``."""
         if self.status < 500:
             return ValueError(self.message if not self.param or self.param in self.message else f"{self.param}: {self.message}")
-        return RuntimeError(self.message)
+        return TimeoutError(self.message) if self.status == 503 else RuntimeError(self.message)
 
 
 class DeadTarget(Exception):

@@ -40,6 +40,14 @@ class StreamOptions(_Body):
     include_usage: StrictBool = Field(False, description="Send a final chunk with token usage.")
 
 
+def _plain(value):
+    if hasattr(value, "dtype") and hasattr(value, "tolist"):  # numpy, without importing it
+        return value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
 class _SamplingFields(_Body):
     model: Text = Field(..., description="Model id, as listed by GET /v1/models.")
     max_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1, description="Most tokens to generate.")
@@ -63,6 +71,15 @@ class _SamplingFields(_Body):
     presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
     frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
     logit_bias: dict | None = Field(None, description="Not supported: must be null.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_values(cls, data):
+        """NumPy arrays and scalars as plain lists and numbers: Ray Data hands a row's list columns
+        over as arrays (a token-id prompt, stop lists); JSON never contains them."""
+        if isinstance(data, dict):
+            return {k: _plain(v) for k, v in data.items()}
+        return data
 
     @model_validator(mode="after")
     def _neutral(self):

@@ -39,6 +39,20 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REGISTRY_POLL_S = 0.25
 
 
+def _parse(model, request):
+    """A request model from a model or a dict (Ray Data adds its own request_id / idx_in_batch keys)."""
+    if isinstance(request, model):
+        return request
+    if not isinstance(request, dict):
+        raise TypeError(f"request must be a {model.__name__} or a dict of its fields, got {type(request).__name__}")
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(request)
+    except ValidationError as exc:
+        raise ValueError(validation_message(exc.errors())) from None
+
+
 # Everything the router uses is imported or defined above it: serve.ingress snapshots the
 # module's names when the class is decorated, so a function defined further down is missing
 # in the replica.
@@ -380,17 +394,3 @@ class Router:
             yield error_body(message, "server_error")
         finally:
             gen.cancel()
-
-
-def _parse(model, request):
-    """A request model from a model or a dict (Ray Data adds its own request_id / idx_in_batch keys)."""
-    if isinstance(request, model):
-        return request
-    if not isinstance(request, dict):
-        raise TypeError(f"request must be a {model.__name__} or a dict of its fields, got {type(request).__name__}")
-    from pydantic import ValidationError
-
-    try:
-        return model.model_validate(request)
-    except ValidationError as exc:
-        raise ValueError(validation_message(exc.errors())) from None
