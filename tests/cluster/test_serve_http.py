@@ -500,8 +500,14 @@ def test_hung_draft_is_detected_and_probed_back(server, target_model):
     finally:
         os.kill(pid, signal.SIGCONT)
     wait_healthy(server, 2 * DRAFT_MAX_TIMEOUT_S)  # probed back while idle
-    again = post(server, seeded)
-    assert again.json()["specserve"]["num_fallback_steps"] == 0 and again.json()["specserve"]["num_draft_tokens"] > 0
+    # Speculation resumes: the draft, just woken, may still be working off what it was sent while
+    # stopped, so a request right after can still fall back; within a draft timeout one drafts again.
+    deadline, stats = time.monotonic() + 2 * DRAFT_MAX_TIMEOUT_S, {}
+    while time.monotonic() < deadline:
+        stats = post(server, seeded).json()["specserve"]
+        if stats["num_fallback_steps"] == 0 and stats["num_draft_tokens"] > 0:
+            break
+    assert stats["num_fallback_steps"] == 0 and stats["num_draft_tokens"] > 0, stats
     print(f"\nhung draft: first request answered in {elapsed:.2f}s (target-only fallback)")
 
 
