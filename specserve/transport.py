@@ -48,7 +48,7 @@ _HEADER = struct.Struct("<IB")  # payload length, frame kind
 MAX_FRAME_BYTES = 1 << 30  # what a target accepts from a draft it authenticated
 HELLO_FRAME_BYTES = 64 << 10  # what a draft accepts from a connection that has not proven the secret yet
 HELLO_TIMEOUT_S = 5.0  # how long a new connection has to prove it
-MAX_UNPROVEN = 64  # connections that may wait to prove it at once (more are closed on accept)
+MAX_UNPROVEN = 64  # connections that may wait to prove it at once (beyond: the longest-waiting is closed)
 MESSAGE, MESSAGE_WITH_TENSOR, LINK_SETUP = 0, 1, 2  # frame kinds
 _conn_ids = itertools.count()
 
@@ -311,7 +311,7 @@ class DraftServer:
         self.listener.setblocking(False)
         bound_port = self.listener.getsockname()[1]
         self.address = f"{advertise_host or _routable_ip()}:{bound_port}"
-        self.counters = {"num_refused_unproven": 0, "num_dropped": 0}
+        self.counters = {"num_evicted_unproven": 0, "num_dropped": 0}
         self._stop = threading.Event()
         self._conns: dict[socket.socket, _Conn] = {}
         self._sel = selectors.DefaultSelector()
@@ -341,10 +341,13 @@ class DraftServer:
             sock, peer = self.listener.accept()
         except BlockingIOError:
             return
-        if sum(not c.proven for c in self._conns.values()) >= MAX_UNPROVEN:  # a flood of strangers: the targets come first
-            self.counters["num_refused_unproven"] += 1
-            sock.close()
-            return
+        unproven = [(c.deadline, s) for s, c in self._conns.items() if not c.proven]
+        if len(unproven) >= MAX_UNPROVEN:
+            # A flood of strangers: make room by closing the one that has waited longest. Refusing the
+            # newcomer instead would lock a real target out for as long as the flood keeps the slots
+            # full; a target proves itself within a round trip, so it outlives the churn.
+            self.counters["num_evicted_unproven"] += 1
+            self._drop(min(unproven, key=lambda t: t[0])[1])
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         c = self._conns[sock] = _Conn(f"tcp-{next(_conn_ids)}-{peer[0]}", new_challenge(), time.monotonic() + HELLO_TIMEOUT_S)
         sock.setblocking(False)
