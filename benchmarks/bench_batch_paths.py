@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from specserve import SamplingParams
     from specserve.serve import build_app
 
-    ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+    ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)  # logical CPUs: Ray Data needs one for its actor
     serve.start(http_options={"host": "127.0.0.1", "port": args.port}, logging_config={"log_level": "WARNING"})
     serve.run(build_app({"target": {"model": "demo:target", "num_cpus": 0.5}, "draft": {"model": "demo:draft", "num_cpus": 0.5},
                          "server": {"max_pending_requests": 4 * args.concurrency}}), name="bench", route_prefix="/")
