@@ -208,10 +208,11 @@ class BatchRunner:
                 row = {"index": job.index, "prompt": job.prompt if isinstance(job.prompt, str) else None, "text": result.text,
                        "token_ids": result.token_ids, "finish_reason": result.finish_reason, "metrics": result.metrics.to_dict()}
                 stats.tokens += len(result.token_ids)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # a second stop: abandoned (not written; a resume redoes it)
                 stats.abandoned += 1
                 in_flight.discard(job.index)
                 out.release(lowest_pending)
+                slots.release()  # (the admitting loop may be waiting for a slot)
                 raise
             except Exception as exc:  # this request's failure is its own: an error row, and the job goes on
                 row = {"index": job.index, "error": f"{type(exc).__name__}: {exc}"}

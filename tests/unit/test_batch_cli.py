@@ -114,3 +114,32 @@ def test_bad_arguments_fail_before_anything_runs(tiny_pair, tmp_path):
                          text=True, timeout=120)
     assert run.returncode == 2 and "no such file" in run.stderr
     assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+def test_a_second_stop_abandons_the_requests_in_flight_even_with_the_window_full(tmp_path):
+    """In-process: with every slot taken by a request that never ends, two stops end the job at once;
+    the abandoned requests are not written (a resume redoes them)."""
+    import asyncio
+
+    from specserve import SamplingParams
+    from specserve.batch import BatchRunner, Job, OutputFile
+
+    class Hung:
+        async def generate_async(self, prompt, params):
+            await asyncio.sleep(3600)
+
+    runner = BatchRunner(Hung(), window=2)
+    out = OutputFile(str(tmp_path / "o.jsonl"), resume=False, ordered=False)
+    jobs = iter([Job(i, [1, 2], SamplingParams()) for i in range(10)])
+
+    async def main():
+        task = asyncio.ensure_future(runner.run(jobs, out))
+        await asyncio.sleep(0.2)  # the window is full: the admitting loop waits for a slot
+        runner.stop()
+        runner.stop()
+        return await asyncio.wait_for(task, 60)
+
+    stats = asyncio.run(main())
+    out.close()
+    assert stats.stopped and stats.abandoned == 2 and stats.written == 0
+    assert (tmp_path / "o.jsonl").read_text() == ""
