@@ -134,7 +134,8 @@ def test_a_second_stop_abandons_the_requests_in_flight_even_with_the_window_full
 
     async def main():
         task = asyncio.ensure_future(runner.run(jobs, out))
-        await asyncio.sleep(0.2)  # the window is full: the admitting loop waits for a slot
+        while len(runner._tasks) < 2:  # the window is full: the admitting loop waits for a slot
+            await asyncio.sleep(0.01)
         runner.stop()
         runner.stop()
         return await asyncio.wait_for(task, 60)
