@@ -228,7 +228,7 @@ def summarize(records: list[dict], k: int) -> list[dict]:
                    "vs_colocated": tps[s] / col if col else None, "vs_target_only": tps[s] / base if base else None,
                    "vs_best_vllm": tps[s] / max(base or 0, col or 0) if (base or col) else None,
                    "acceptance": accepted / drafted if drafted else None, "tokens_per_step": 1 + accepted / drafts if drafts else None,
-                   "exact": ref is not None and all(r["token_ids"] == ref for r in rs), "step_ms": None}
+                   "exact": None if ref is None else all(r["token_ids"] == ref for r in rs), "step_ms": None}
             if s.startswith("specserve"):
                 blocks = sum(r["num_blocks"] for r in rs)
                 row.update({key: med(key) for key in ("verify_ms", "draft_wait_ms", "link_ms", "overhead_ms")})

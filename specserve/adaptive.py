@@ -15,9 +15,9 @@ t_miss(B) the draft's critical-path forward time per drafted position (one miss 
 whole batch wait); cache-only is what keeps a remote draft paying at serving batch sizes. The
 model picks the k and mode with the most E / cost (vLLM's and SGLang's rule, costs measured
 online). Whether to speculate at all is then settled by what each choice delivered: realized
-tokens per second of wall time, per bucket, over steady stretches (two cycles in a row with
-the same choice), which carries every cost the model does not see (the engine's scheduling and
-output handling, bookkeeping, arrivals). The first ``warmup_steps`` of each bucket cycle through
+tokens per second of wall time, per bucket, over each choice's last ``REALIZED_WINDOW`` steady
+cycles (three cycles in a row with the same choice; a cycle over 3 x the median left out),
+which carries every cost the model does not see (the engine's scheduling and output handling, bookkeeping, arrivals). The first ``warmup_steps`` of each bucket cycle through
 k and both modes; one choice in ``probe_every`` probes (less often, down to one in 16 x ``probe_every``, while probes
 of the other choice keep confirming this one): the other choice for ``probe_len``
 steps (so it gets measured), or a neighbouring k, or the other mode. Costs are learned on warm
@@ -30,8 +30,13 @@ knows nothing of models or transports.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+REALIZED_WINDOW = 32  # cycles per choice and bucket that the realized rates are taken over
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -78,15 +83,15 @@ class LinearCost:
 
 
 class SpeculationController:
-    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 14, probe_every: int = 64,
-                 prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03, probe_len: int = 5):
+    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 16, probe_every: int = 64,
+                 prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03, probe_len: int = 6):
         self.max_k = max_k
         self.adaptive = adaptive
         self.warmup_steps, self.probe_every = warmup_steps, probe_every
         self.prior_token_cost = prior_token_cost
         self.hysteresis = hysteresis
         self.probe_len = probe_len
-        self.realized: dict[tuple[int, bool], tuple[float, float, int]] = {}  # (bucket, speculating) -> (tokens, seconds, samples)
+        self.realized: dict[tuple[int, bool], deque] = {}  # (bucket, speculating) -> the last cycles' (tokens per sequence, seconds)
         self._cycles: list[tuple[int, bool]] = []  # (bucket, speculating) of the last cycles observed
         self.acceptance = [prior_acceptance] * max(max_k, 1)
         self.coverage = [0.5] * max(max_k, 1)  # cache-only blocks: P(at least j + 1 tokens)
@@ -144,21 +149,33 @@ class SpeculationController:
         """One engine step's whole cycle (everything between the ends of two steps): what it produced and
         took. ``pure``: every part of the cycle ran the same choice (a cycle that verifies one choice's
         drafts while waiting on another's is a switch, and left out); counted once the same choice held
-        for two cycles."""
+        for three cycles (the first cycle after a switch still pays for it: vLLM's first plain step
+        after speculative ones took 2-3x a steady one)."""
         b = _bucket(batch_size)
-        self._cycles = (self._cycles + [(b, speculating)])[-2:] if pure else []
-        if seconds <= 0 or len(self._cycles) < 2 or len(set(self._cycles)) != 1:
+        self._cycles = (self._cycles + [(b, speculating)])[-3:] if pure else []
+        if seconds <= 0 or len(self._cycles) < 3 or len(set(self._cycles)) != 1:
             return
-        # Running sums (a rate of totals, not a mean of rates), per sequence: a bucket spans batch sizes
-        # (5 to 8 share one), and a probe caught in a draining batch must not look slow for it.
-        tokens, secs, n = self.realized.get((b, speculating), (None, None, 0))
-        self.realized[(b, speculating)] = (_ema(tokens, num_tokens / batch_size, 0.2), _ema(secs, seconds, 0.2), n + 1)
+        # Per sequence: a bucket spans batch sizes (5 to 8 share one), and a probe caught in a draining
+        # batch must not look slow for it.
+        self.realized.setdefault((b, speculating), deque(maxlen=REALIZED_WINDOW)).append((num_tokens / batch_size, seconds))
+
+    def realized_rate(self, bucket: int, speculating: bool) -> float | None:
+        """Tokens/s per sequence over the arm's last cycles, a rate of totals, without the cycles that took
+        over 3 times the median: those carry a cost of the batch's churn (requests finishing, arriving,
+        their output handled) that falls on whichever choice it meets, and a single one of them must not
+        decide between the choices (it did: one 12 ms cycle among 3 ms ones flipped batch 8 to speculating)."""
+        window = self.realized.get((bucket, speculating))
+        if not window or len(window) < 3:
+            return None
+        cap = 3.0 * statistics.median(s for _, s in window)
+        kept = [(t, s) for t, s in window if s <= cap]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
     def _measured(self, batch_size: int) -> tuple[float, float] | None:
         """(realized tokens/s per sequence speculating, not speculating) at this batch size, once both are measured."""
         b = _bucket(batch_size)
-        on, off = self.realized.get((b, True)), self.realized.get((b, False))
-        return (on[0] / on[1], off[0] / off[1]) if on and off and on[2] >= 3 and off[2] >= 3 else None
+        on, off = self.realized_rate(b, True), self.realized_rate(b, False)
+        return (on, off) if on is not None and off is not None else None
 
     # -- the model -----------------------------------------------------------------------------
     def expected_tokens(self, k: int, cache_only: bool = False) -> float:
@@ -219,7 +236,7 @@ class SpeculationController:
             # (each speculative step follows one that asked for at least as much: it is warm; each choice
             # holds for a few steps, so its realized rate is measured too)
             cycle = ((self.max_k, False), (self.max_k, False), (self.max_k, cache), (max(1, self.max_k // 2), False),
-                     (0, False), (0, False), (0, False))
+                     (0, False), (0, False), (0, False), (0, False))
             k, self.cache_only = cycle[(seen - 1) % len(cycle)]
             return k
         if self._queued:
@@ -278,7 +295,8 @@ class SpeculationController:
     _cache_only_choice = False  # the mode of the current choice (as opposed to this step's, which probes may change)
 
     def state(self) -> dict:
-        realized = {f"{b}/{'on' if on else 'off'}": round(t / s, 1) for (b, on), (t, s, _) in sorted(self.realized.items())}
+        realized = {f"{b}/{'on' if on else 'off'}": round(rate, 1) for b, on in sorted(self.realized)
+                    if (rate := self.realized_rate(b, on)) is not None}
         return {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "realized_tokens_per_s": realized,
                 "acceptance_per_pos": list(self.acceptance),  # (realized: tokens/s per sequence, by bucket)
                 "coverage_per_pos": list(self.coverage), "link_ms": (self.link_s or 0.0) * 1e3,

@@ -120,3 +120,16 @@ def test_k_zero_steps_hand_the_drafts_their_deltas_only_before_a_probe():
         pushes += k == 0 and ctrl.push_due(8)
         ctrl.observe_cycle(8, 8 if not k else 16, 0.01 if not k else 0.2, bool(k))
     assert 0 < pushes <= probes  # one push ahead of each probe, nothing sent on the other k = 0 steps
+
+
+def test_one_slow_cycle_of_batch_churn_does_not_decide_between_the_choices():
+    # batch 8, demo pair as measured: plain cycles 3 ms, speculative ones 12 ms for 2.5 tokens per sequence
+    ctrl = SpeculationController(max_k=4)
+    for _ in range(12):
+        ctrl.observe_cycle(8, 20, 0.012, True)
+    for _ in range(12):
+        ctrl.observe_cycle(8, 8, 0.003, False)
+    ctrl.observe_cycle(8, 8, 0.0126, False)  # requests finished and new ones arrived during this one
+    off, on = ctrl.realized_rate(8, False), ctrl.realized_rate(8, True)
+    assert off > on
+    assert abs(off - 1 / 0.003) < 1.0  # the slow cycle is left out, not averaged in
