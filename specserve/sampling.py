@@ -18,8 +18,10 @@ def processed_probs(
     temperature,  # float or [n], every value > 0
     top_k,  # int or [n]; 0 (or >= vocab) disables
     top_p,  # float or [n] in (0, 1]
+    min_p=0.0,  # float or [n] in [0, 1]; 0 disables
 ) -> torch.Tensor:  # [n, vocab] float32 (float64 for float64 logits), rows sum to 1
-    """Probabilities after temperature, then top-k, then top-p (vLLM's order).
+    """Probabilities after temperature, then min-p, then top-k, then top-p (vLLM's order: min-p
+    drops tokens less likely than ``min_p`` x the most likely one).
 
     Top-p always keeps the most likely token (vLLM's rule), so no row can end up empty
     however small ``top_p`` is; subtracting the row maximum first keeps tiny temperatures
@@ -31,6 +33,9 @@ def processed_probs(
     temperature = _column(temperature, n, dtype, x.device)
     assert bool((temperature > 0).all()), "greedy rows take argmax, not probabilities"
     x = (x - x.max(dim=-1, keepdim=True).values) / temperature
+    min_p = _column(min_p, n, dtype, x.device)
+    if bool((min_p > 0).any()):  # exp(x) is the probability relative to the most likely token's
+        x = x.masked_fill(torch.exp(x) < min_p, float("-inf"))
     top_k = _column(top_k, n, torch.long, x.device)
     top_p = _column(top_p, n, dtype, x.device)
     use_k = (top_k > 0) & (top_k < vocab)

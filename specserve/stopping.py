@@ -1,4 +1,6 @@
-"""Decide where a sequence stops: max_tokens, the context limit, EOS, stop token ids, stop strings.
+"""Decide where a sequence stops: max_tokens, the context limit, EOS, stop token ids, stop strings
+(none of the last three before ``min_tokens``; a stop string stays in the text with
+``include_stop_str_in_output``).
 
 Called on each verified block before it is committed, so a stop inside an accepted block
 cuts the block there. Also produces the streamed text deltas, holding back text that may
@@ -62,12 +64,15 @@ class StopChecker:
             self.output_token_ids.append(tok)
             kept.append(tok)
             text = self._detok.add(tok) if self._detok is not None else None
-            if tok in self.eos_token_ids or tok in self.stop_token_ids:
+            n = len(self.output_token_ids)
+            if n >= self.params.min_tokens and (tok in self.eos_token_ids or tok in self.stop_token_ids):
                 self.finish_reason, self.stop_reason = "stop", (None if tok in self.eos_token_ids else tok)
-            elif self.params.stop and self._match_stop_string(text):
+            elif self.params.stop and n > self.params.min_tokens and self._match_stop_string(text):  # (vLLM: >)
                 self.finish_reason = "stop"
-            elif len(self.output_token_ids) >= self.params.max_tokens or self.prompt_len + len(self.output_token_ids) >= self.max_model_len:
+            elif n >= self.params.max_tokens or self.prompt_len + n >= self.max_model_len:
                 self.finish_reason = "length"
+            if text is not None and self.finish_reason is None and n <= self.params.min_tokens:
+                self.text = text  # (unchecked: a later match must end in text after this)
             if self.finish_reason is not None:
                 break
         if self._detok is not None and not isinstance(self.stop_reason, str):
@@ -80,13 +85,14 @@ class StopChecker:
         start = max(0, len(self.text) - window)
         best = None
         for s in self.params.stop:
-            idx = text.find(s, start)
+            idx = text.find(s, max(start, len(self.text) - len(s) + 1))  # a match ending in the new text
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             self.text = text
             return False
-        self.text, self.stop_reason = text[: best[0]], best[1]
+        end = best[0] + len(best[1]) if self.params.include_stop_str_in_output else best[0]
+        self.text, self.stop_reason = text[:end], best[1]
         return True
 
     def text_delta(self) -> str:

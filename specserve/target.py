@@ -22,6 +22,7 @@ from .models import vocab_fingerprint
 from .outputs import StepDelta
 from .sampling_params import SamplingParams
 from .stopping import StopChecker
+from .logits_processing import SeqProcessor, bad_word_token_ids
 from .verifier import SamplingBatch, verify
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class TargetSeq:
     params: SamplingParams
     stopper: StopChecker
     seed: int  # the request's seed, or one drawn at admission
+    processor: SeqProcessor | None = None  # penalties, logit_bias, ... (None: nothing beyond temperature/top-k/top-p)
 
 
 class TargetSide:
@@ -69,6 +71,11 @@ class TargetSide:
         """Everything ``open`` would reject, checked up front (at submission)."""
         self.check_prompt(prompt_token_ids)
         StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids must be below the target's vocabulary size {self.vocab_size}, got {bad[:5]}")
+        bad_word_token_ids(params.bad_words, self.tokenizer)
 
     def vocab_fingerprint(self) -> dict:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
@@ -78,7 +85,11 @@ class TargetSide:
         """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward."""
         for rid, prompt, params, seed in requests:
             stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt), self.max_model_len)
-            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed)
+            processor = None
+            if params.processes_logits:
+                stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+                processor = SeqProcessor(params, prompt, self.vocab_size, stop_ids, bad_word_token_ids(params.bad_words, self.tokenizer))
+            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor)
             self.backend.add(rid)
         prefill = [(rid, prompt[:-1]) for rid, prompt, _, _ in requests if len(prompt) > 1]
         if prefill:
@@ -132,6 +143,12 @@ class TargetSide:
             cols = torch.arange(width, device=device)[None, :]
             index = (width - 1 - num_draft)[:, None] + torch.minimum(cols, num_draft[:, None])
             logits = logits.gather(1, index[..., None].expand(batch_size, width, vocab))
+        if any(s.processor is not None for s in seqs):  # each row with the output it follows (drafts included)
+            if logits.dtype in (torch.float16, torch.bfloat16):
+                logits = logits.float()
+            for row, (s, d) in enumerate(zip(seqs, drafts)):
+                if s.processor is not None:
+                    logits[row, : len(d) + 1] = s.processor.apply(logits[row, : len(d) + 1], s.token_ids, d)
         draft_ids = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.long, device=device).reshape(batch_size, k)
         draft_probs = has_probs = None
         if any(p is not None for p in probs):
@@ -142,7 +159,7 @@ class TargetSide:
             has_probs = torch.tensor([p is not None for p in probs], device=device)
         sampling = SamplingBatch(
             [s.params.temperature for s in seqs], [s.params.top_k for s in seqs], [s.params.top_p for s in seqs],
-            [s.seed for s in seqs], [len(s.token_ids) for s in seqs],
+            [s.seed for s in seqs], [len(s.token_ids) for s in seqs], [s.params.min_p for s in seqs],
         )
         num_accepted, next_token_ids = verify(logits, draft_ids, num_draft, sampling, draft_probs, has_probs)
         # .tolist(): committing and stop checks run per sequence on the host.

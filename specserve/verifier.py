@@ -11,8 +11,9 @@ verbatim in messages, metrics and logs:
 - *bonus*: when every draft token is accepted, one more token drawn from p_{k+1}.
 
 Every verification appends ``num_accepted + 1`` tokens. ``p`` is the target's distribution
-after temperature/top-k/top-p (``sampling.processed_probs``), exactly what plain decoding
-samples from. A draft that sends no probabilities is a point mass at its token
+after its logits processing (penalties, logit_bias ...: ``logits_processing``, applied by the
+caller, row j with the drafts before it) and temperature/min-p/top-k/top-p
+(``sampling.processed_probs``), exactly what plain decoding samples from. A draft that sends no probabilities is a point mass at its token
 (q_i(d_i) = 1), lossless when the draft chose that token deterministically (greedy, n-gram).
 Uniforms are keyed by (seed, token position) (``rng``): the acceptance test of the token at
 position P draws ``TARGET_ACCEPT`` at P, the recovered/bonus token at P draws
@@ -41,6 +42,7 @@ class SamplingBatch:
     top_p: list[float]  # [batch_size]
     seeds: list[int]  # [batch_size] in [0, rng.MAX_SEED]
     positions: list[int]  # [batch_size]: position of the first token this verification decides
+    min_p: list[float] | None = None  # [batch_size]; None: 0 everywhere
 
     @property
     def greedy(self) -> list[bool]:
@@ -100,6 +102,7 @@ def _verify_sampled(target_logits, draft_token_ids, valid, sampling, rows, draft
         torch.tensor(temperature).repeat_interleave(width),
         torch.tensor(top_k).repeat_interleave(width),
         torch.tensor(top_p).repeat_interleave(width),
+        torch.tensor(pick(sampling.min_p) if sampling.min_p is not None else [0.0] * n).repeat_interleave(width),
     ).reshape(n, width, vocab)
     raw = draft_token_ids[rows]
     in_vocab = (raw >= 0) & (raw < vocab)  # a draft id past the target's vocabulary is always rejected

@@ -3,9 +3,10 @@
 Everything that reaches the engine is range-checked here, so nothing that passed can fail
 later for being out of range: seeds fit the generator and the wire, booleans are not taken
 as integers, strings are valid Unicode (no lone surrogates), NaN/infinity are rejected,
-chat content parts have the right types. Unknown fields are rejected (400 naming them);
-OpenAI fields specserve does not implement (n > 1, logprobs, tools, penalties ...) are
-accepted only at their neutral value. Knows nothing of Ray or the engine.
+chat content parts have the right types. Every field of vLLM's request models is known
+(``tests/unit/test_protocol_fields.py`` checks it against the installed vLLM); unknown fields
+are rejected (400 naming them); fields specserve does not implement yet (n > 1, logprobs,
+tools, structured outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: StrictBool = Field(False, description="Send a final chunk with token usage.")
+    include_usage: StrictBool | None = Field(False, description="Send a final chunk with token usage.")
+    continuous_usage_stats: StrictBool | None = Field(False, description="Not supported: must be false.")
 
 
 def _plain(value):
@@ -48,29 +50,107 @@ def _plain(value):
     return value
 
 
+# vLLM request fields specserve accepts at their neutral value only: name -> (the neutral values, why
+# another is refused). A neutral value is a no-op; any other value is a 400 naming the field.
+NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "n": ((1, None), "one choice per request (send n requests)"),
+    "best_of": ((1, None), "one choice per request"),
+    "use_beam_search": ((False, None), "beam search is not speculative decoding"),
+    "length_penalty": ((1.0, 1, None), "it applies to beam search only"),
+    "logprobs": ((None, False, 0), "logprobs are not reported yet"),
+    "top_logprobs": ((None, 0), "logprobs are not reported yet"),
+    "prompt_logprobs": ((None, 0), "logprobs are not reported yet"),
+    "logprob_token_ids": ((None, []), "logprobs are not reported yet"),
+    "echo": ((False, None), "echo needs prompt logprobs, which are not reported yet"),
+    "suffix": ((None, ""), "no insertion models are served"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "structured_outputs": ((None,), "structured outputs are not supported yet"),
+    "watermarking": ((None, False), "no watermarking"),
+    "return_tokens_as_token_ids": ((None, False), "logprobs are not reported yet"),
+    "routed_experts_prompt_start": ((0, None), "no expert routing is reported"),
+    "return_token_offsets": ((None, False), "token offsets are not reported"),
+    "mm_payload": (("tensors", None), "text models only"),
+    "return_mm_kwargs": ((None, False), "text models only"),
+    "kv_transfer_params": ((None,), "no disaggregated prefill"),
+    "ec_transfer_params": ((None,), "no disaggregated prefill"),
+    "vllm_xargs": ((None,), "no custom logits processors"),
+    "repetition_detection": ((None,), "not supported"),
+    "thinking_token_budget": ((None,), "no reasoning parser"),
+    "stream_interval": ((None, 1), "every step's tokens are streamed as they come"),
+    "priority": ((0, None), "requests are served first come, first served"),
+    # chat
+    "tools": ((None, []), "tool calling is not supported yet"),
+    "tool_choice": ((None, "none", "auto"), "tool calling is not supported yet"),
+    "reasoning_effort": ((None,), "no reasoning parser"),
+    "documents": ((None,), "the chat template gets messages only"),
+    "chat_template": ((None,), "a request cannot replace the model's chat template"),
+    "media_io_kwargs": ((None,), "text models only"),
+    "mm_processor_kwargs": ((None,), "text models only"),
+    "return_prompt_text": ((None, False), "not supported"),
+}
+
+
+def _neutral(description: str = ""):
+    return Field(None, description=description or "Accepted at its neutral value only (400 otherwise).")
+
+
 class _SamplingFields(_Body):
-    model: Text = Field(..., description="Model id, as listed by GET /v1/models.")
+    model: Text | None = Field(None, description="Model id, as listed by GET /v1/models (optional: the served one).")
     max_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1, description="Most tokens to generate.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy (lossless token for token).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (the most likely token is always kept).")
-    top_k: StrictInt = Field(0, ge=-1, le=2**31 - 1, description="vLLM extension: keep the k most likely tokens (0 or -1: off).")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 is greedy (lossless token for token).")
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (the most likely token is always kept).")
+    top_k: StrictInt | None = Field(0, ge=-1, le=2**31 - 1, description="vLLM extension: keep the k most likely tokens (0 or -1: off).")
+    min_p: float | None = Field(0.0, ge=0.0, le=1.0, description="vLLM extension: drop tokens below min_p x the most likely one's probability.")
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="Minus this for every token already in the output.")
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0, description="Minus this times each token's count in the output.")
+    repetition_penalty: float | None = Field(1.0, gt=0.0, description="vLLM extension: prompt and output tokens' logits divided (> 0) or multiplied (< 0) by this.")
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024, description="Token id (as a string) -> bias in [-100, 100], added to the logits.")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1 << 20, description="vLLM extension: only these tokens.")
+    bad_words: list[Text] | None = Field(None, max_length=128, description="vLLM extension: words never generated.")
+    min_tokens: StrictInt = Field(0, ge=0, le=2**31 - 1, description="vLLM extension: no stop (EOS, stop ids, stop strings) before this many tokens.")
     stop: Text | list[Text] | None = Field(None, description="Up to 4 strings that end the output (excluded from it).")
+    include_stop_str_in_output: StrictBool = Field(False, description="vLLM extension: keep the matched stop string in the text.")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description=f"Per-request seed in [0, {MAX_SEED}]: same seed, same output.")
-    stream: StrictBool = Field(False, description="Stream server-sent events.")
+    stream: StrictBool | None = Field(False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Only with stream: include_usage.")
     ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past EOS.")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="vLLM extension: token ids that end the output.")
     skip_special_tokens: StrictBool = Field(True, description="vLLM extension: leave special tokens out of the text.")
+    spaces_between_special_tokens: StrictBool = Field(True, description="vLLM extension: accepted; fast tokenizers (what specserve detokenizes with) ignore it.")
+    add_special_tokens: StrictBool | None = Field(None, description="vLLM extension: add the tokenizer's special tokens (BOS) to a text prompt "
+                                                                   "(default: yes for completions, no for chat, whose template has them).")
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=2**31 - 1, description="vLLM extension: keep only this many prompt tokens (-1: the context's worth).")
+    truncation_side: Literal["left", "right"] | None = Field(None, description="Which end truncate_prompt_tokens cuts (default left: the last tokens stay).")
     user: Text | None = Field(None, max_length=256, description="Accepted and ignored (OpenAI's end-user id).")
     request_id: Text | None = Field(None, max_length=256, description="vLLM extension: the caller's id for this request (logs, the response's id).")
-    return_token_ids: StrictBool = Field(False, description="vLLM extension: add the prompt's and the output's token ids to each choice.")
+    session_id: Text | None = Field(None, max_length=256, description="vLLM extension: accepted and ignored.")
+    cache_salt: Text | None = Field(None, max_length=256, description="vLLM extension: accepted; there is no prefix cache shared between requests to salt.")
+    return_token_ids: StrictBool | None = Field(False, description="vLLM extension: add the prompt's and the output's token ids to each choice.")
     idx_in_batch: StrictInt | None = Field(None, description="Accepted and ignored: the row index Ray Data's processor adds.")
-    # OpenAI fields accepted only at their neutral value.
-    n: StrictInt = Field(1, description="Must be 1: one choice per request.")
-    logprobs: Any = Field(None, description="Not supported: must be null/false.")
-    presence_penalty: float = Field(0.0, description="Not supported: must be 0.")
-    frequency_penalty: float = Field(0.0, description="Not supported: must be 0.")
-    logit_bias: dict | None = Field(None, description="Not supported: must be null.")
+    # vLLM fields accepted only at their neutral value (NEUTRAL says why another value is refused).
+    n: Any = _neutral("Must be 1: one choice per request.")
+    logprobs: Any = _neutral("Not supported yet: must be null/false/0.")
+    prompt_logprobs: Any = _neutral()
+    logprob_token_ids: Any = _neutral()
+    use_beam_search: Any = _neutral()
+    length_penalty: Any = _neutral()
+    structured_outputs: Any = _neutral()
+    prompt_embeds: Any = _neutral()
+    watermarking: Any = _neutral()
+    return_tokens_as_token_ids: Any = _neutral()
+    routed_experts_prompt_start: Any = _neutral()
+    return_token_offsets: Any = _neutral()
+    mm_payload: Any = _neutral()
+    return_mm_kwargs: Any = _neutral()
+    kv_transfer_params: Any = _neutral()
+    ec_transfer_params: Any = _neutral()
+    vllm_xargs: Any = _neutral()
+    repetition_detection: Any = _neutral()
+    thinking_token_budget: Any = _neutral()
+    stream_interval: Any = _neutral()
+    priority: Any = _neutral()
+    echo: Any = _neutral("Not supported yet: must be false.")
+    response_format: dict | None = Field(None, description="Only {'type': 'text'} (structured outputs are not supported yet).")
 
     @model_validator(mode="before")
     @classmethod
@@ -83,28 +163,51 @@ class _SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _neutral(self):
-        for name, neutral in (("n", 1), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by specserve (only {neutral})")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs is not supported by specserve")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by specserve")
-        if self.stream_options is not None and not self.stream:
+        for name in self.model_fields_set:
+            if name in NEUTRAL:
+                allowed, why = NEUTRAL[name]
+                value = getattr(self, name)
+                if not any(value == a and type(value) is not bool or value is a for a in allowed):
+                    raise ValueError(f"{name}={value!r} is not supported by specserve: {why}")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format other than text is not supported by specserve yet")
+        so = self.stream_options
+        if so is not None and so.continuous_usage_stats:
+            raise ValueError("stream_options.continuous_usage_stats is not supported by specserve: usage comes in the final chunk")
+        if so is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > 4:
             raise ValueError(f"stop accepts at most 4 sequences, got {len(stops)}")
         if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop sequences must be non-empty and at most {MAX_STOP_CHARS} characters")
+        for key in self.logit_bias or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return self
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        pick = lambda name, default: default if getattr(self, name) is None else getattr(self, name)  # noqa: E731
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
             max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or (), seed=self.seed,
             ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()), skip_special_tokens=self.skip_special_tokens,
+            min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+            min_tokens=self.min_tokens, logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=tuple(self.bad_words or ()), include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` / ``truncation_side`` leave it."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return token_ids
+        n = max_model_len if n == -1 else n
+        if n == 0 or len(token_ids) <= n:
+            return token_ids
+        return token_ids[:n] if self.truncation_side == "right" else token_ids[-n:]
 
     @property
     def include_usage(self) -> bool:
@@ -113,18 +216,11 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(..., description="One prompt: text or token ids.")
-    echo: StrictBool = Field(False, description="Not supported: must be false.")
-    best_of: StrictInt | None = Field(None, description="Not supported: must be null or 1.")
-    suffix: Text | None = Field(None, description="Not supported: must be null.")
+    best_of: Any = _neutral("Must be null or 1.")
+    suffix: Any = _neutral("Must be null.")
 
     @model_validator(mode="after")
     def _single_prompt(self):
-        if self.echo:
-            raise ValueError("echo is not supported by specserve")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported by specserve")
-        if self.suffix:
-            raise ValueError("suffix is not supported by specserve")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -152,18 +248,28 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1, description="Newer name for max_tokens.")
-    tools: list | None = Field(None, description="Not supported: must be null.")
-    tool_choice: Any = Field(None, description="Not supported: must be null.")
-    response_format: dict | None = Field(None, description="Only {'type': 'text'}.")
+    add_generation_prompt: StrictBool = Field(True, description="vLLM extension: end the rendered prompt with the assistant's turn opening.")
+    continue_final_message: StrictBool = Field(False, description="vLLM extension: continue the last (assistant) message instead of opening a new one.")
+    chat_template_kwargs: dict[str, StrictBool | StrictInt | float | Text | None] | None = Field(
+        None, max_length=32, description="vLLM extension: extra variables for the chat template (e.g. enable_thinking).")
+    include_reasoning: StrictBool = Field(True, description="vLLM extension: accepted; no reasoning parser runs, so the text is whole.")
+    parallel_tool_calls: StrictBool | None = Field(True, description="Accepted: no tools are called.")
+    top_logprobs: Any = _neutral("Not supported yet: must be 0 or null.")
+    tools: Any = _neutral("Not supported yet: must be null.")
+    tool_choice: Any = _neutral("Only none (or auto, with no tools).")
+    reasoning_effort: Any = _neutral()
+    documents: Any = _neutral()
+    chat_template: Any = _neutral()
+    media_io_kwargs: Any = _neutral()
+    mm_processor_kwargs: Any = _neutral()
+    return_prompt_text: Any = _neutral()
 
     @model_validator(mode="after")
-    def _chat_neutral(self):
-        if self.tools:
-            raise ValueError("tools are not supported by specserve")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by specserve")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format other than text is not supported by specserve")
+    def _chat_fields(self):
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         if self.max_completion_tokens and not self.max_tokens:
             self.max_tokens = self.max_completion_tokens
         return self

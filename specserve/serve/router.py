@@ -129,16 +129,16 @@ class Router:
         """Serve's replica health check: the router is healthy when its event loop runs."""
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:  # (vLLM: no model means the served one)
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    async def _tokens(self, prompt) -> list[int]:
+    async def _tokens(self, prompt, add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+            return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special_tokens)
         vocab = self.info["vocab"]["vocab_size"]
         bad = [t for t in prompt if t >= vocab]
         if bad:
@@ -186,7 +186,8 @@ class Router:
     async def _completion(self, body: CompletionRequest) -> tuple:
         self._check_model(body.model)
         await self._ready()
-        token_ids = await self._tokens(body.prompt)
+        token_ids = await self._tokens(body.prompt, body.add_special_tokens is not False)
+        token_ids = body.truncate(token_ids, self.info["max_model_len"])
         params = self._params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, token_ids)
         return "cmpl", False, token_ids, params
 
@@ -198,13 +199,18 @@ class Router:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
 
         def render():
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+            # The template's text, then tokens (with special tokens only if asked: the template has them),
+            # as vLLM renders chat prompts.
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message, tokenize=False, **(body.chat_template_kwargs or {}))
+            return list(self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
         try:
             token_ids = await asyncio.to_thread(render)
         except Exception as exc:  # a template that cannot render these messages is the request's fault
             raise APIError(400, f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
+        token_ids = body.truncate(token_ids, self.info["max_model_len"])
         params = self._params(body, max(1, self.info["max_model_len"] - len(token_ids)), token_ids)
         return "chatcmpl", True, token_ids, params
 

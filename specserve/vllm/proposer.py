@@ -207,6 +207,13 @@ class RemoteDraftProposer:
         params = getattr(state, "sampling_params", None)
         if params is not None and params.max_tokens is not None:
             room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
+        done = len(state.output_token_ids) if state is not None else 0
+        min_tokens = getattr(params, "min_tokens", 0) or 0
+        if done < min_tokens:
+            # vLLM masks the stop tokens of the bonus token's row by the committed length alone, so a
+            # block that reaches past min_tokens would mask one that target-only decoding allows:
+            # while min_tokens is not reached, drafts stop short of it.
+            room = min(room, min_tokens - done - 1)
         return max(0, room)
 
     def _reconcile(self) -> None:

@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 from ..engine import EngineLoop, RequestQueue, StepResult
+from ..logits_processing import bad_word_token_ids
 from ..models import load_tokenizer, vocab_fingerprint
 from ..outputs import SpecMetrics, StepDelta
 from ..secret import TOKEN_ENV, resolve_token
@@ -103,6 +104,17 @@ class VLLMEngineCore(RequestQueue):
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {t.vocab_size}), got {bad[:5]}")
         StopChecker(params, set(), t.tokenizer, len(prompt_token_ids), t.max_model_len)  # stop strings need a tokenizer
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", [x for x, _ in params.logit_bias])):
+            bad = [x for x in ids if x >= t.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token ids must be below the target's vocabulary size {t.vocab_size}, got {bad[:5]}")
+        bad_word_token_ids(params.bad_words, t.tokenizer)
+        if self.k and (params.logit_bias or params.min_p):
+            # vLLM builds no min-p or logit-bias processor when speculation is configured (it warns
+            # "won't work with speculative decoding" and ignores them): refuse rather than ignore.
+            name = "logit_bias" if params.logit_bias else "min_p"
+            raise ValueError(f"{name} is not applied by vLLM's sampler when speculation is on; "
+                             "use specserve's own target engine (target_backend: hf) or a deployment without a draft")
 
     def abort(self, request_id: str) -> bool:
         if self._drop_waiting(request_id):
@@ -127,7 +139,11 @@ class VLLMEngineCore(RequestQueue):
         return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
                               stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
                               seed=p.seed, skip_special_tokens=p.skip_special_tokens, detokenize=self.target.tokenizer is not None,
-                              output_kind=RequestOutputKind.DELTA)
+                              output_kind=RequestOutputKind.DELTA, presence_penalty=p.presence_penalty,
+                              frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, min_p=p.min_p,
+                              min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias) or None,
+                              allowed_token_ids=list(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
+                              bad_words=list(p.bad_words) or None, include_stop_str_in_output=p.include_stop_str_in_output)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> StepResult:

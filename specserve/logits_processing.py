@@ -1,0 +1,92 @@
+"""What shapes the target's distribution beyond temperature, top-k, top-p and min-p: penalties,
+``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, as vLLM applies them.
+
+Lossless under speculation: a verification's logits row j (after the committed prefix and the
+first j draft tokens) is processed with the output that row would follow in plain decoding:
+the committed output plus ``drafts[:j]``. Plain decoding is the ``k = 0`` case. vLLM's order
+(``vllm.v1.sample.sampler.Sampler.apply_logits_processors``): allowed tokens, bad words,
+``min_tokens`` and ``logit_bias``, then the penalties (repetition over prompt and output;
+frequency and presence over the output). Greedy decoding takes the argmax of the result;
+sampling then applies temperature, min-p, top-k and top-p (``sampling.processed_probs``).
+
+Pure torch; knows nothing of models, caches or Ray.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def bad_word_token_ids(words, tokenizer) -> list[list[int]]:
+    """Each bad word as token ids, as vLLM derives them (``SamplingParams.update_from_tokenizer``):
+    the word as it stands, and with a leading space where that is a different first token of the
+    same length (so the word is banned at the start and in the middle of the text)."""
+    if not words:
+        return []
+    if tokenizer is None:
+        raise ValueError("bad_words need a tokenizer; the target model has none")
+    out: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ValueError(f"bad_words: {word!r} is no token at all")
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
+
+
+class SeqProcessor:
+    """One sequence's processing, built once when it opens."""
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
+                 stop_ids: set[int], bad_words: list[list[int]]):
+        self.params, self.prompt_len, self.vocab = params, len(prompt_token_ids), vocab_size
+        self.banned = None  # [vocab] bool: tokens never allowed
+        if params.allowed_token_ids is not None:
+            self.banned = torch.ones(vocab_size, dtype=torch.bool)
+            self.banned[torch.tensor([t for t in params.allowed_token_ids if t < vocab_size], dtype=torch.long)] = False
+        self.stop_ids = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.long)
+        self.bias_ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab_size], dtype=torch.long)
+        self.bias = torch.tensor([b for t, b in params.logit_bias if t < vocab_size], dtype=torch.float32)
+        self.bad_words = bad_words
+        self.penalties = params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1.0
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
+        if params.repetition_penalty != 1.0:
+            self.in_prompt[torch.tensor([t for t in prompt_token_ids if t < vocab_size], dtype=torch.long)] = True
+
+    def apply(self, logits: torch.Tensor, token_ids: list[int], drafts: list[int]) -> torch.Tensor:
+        """``logits``: [width, vocab] rows after ``token_ids`` (prompt + committed output) and
+        ``drafts[:j]``; returns them processed (half precision as float32, as vLLM does)."""
+        x = (logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits).clone()
+        p = self.params
+        output = list(token_ids[self.prompt_len:])
+        counts = None
+        if self.penalties:
+            counts = torch.bincount(torch.tensor([t for t in output if t < self.vocab], dtype=torch.long),
+                                    minlength=self.vocab).to(x.dtype)
+        for j in range(x.shape[0]):
+            if j:
+                output.append(drafts[j - 1])
+                if counts is not None and drafts[j - 1] < self.vocab:
+                    counts[drafts[j - 1]] += 1
+            row = x[j]
+            if self.banned is not None:
+                row.masked_fill_(self.banned, float("-inf"))
+            for ids in self.bad_words:
+                if len(ids) <= len(output) + 1 and (len(ids) == 1 or output[len(output) - len(ids) + 1:] == ids[:-1]):
+                    if ids[-1] < self.vocab:
+                        row[ids[-1]] = float("-inf")
+            if len(output) < p.min_tokens and self.stop_ids.numel():
+                row[self.stop_ids] = float("-inf")
+            if self.bias_ids.numel():
+                row[self.bias_ids] += self.bias
+            if counts is not None:
+                if p.repetition_penalty != 1.0:
+                    seen = self.in_prompt | (counts > 0)
+                    row.copy_(torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+        return x

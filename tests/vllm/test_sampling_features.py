@@ -1,0 +1,77 @@
+"""Penalties, logit_bias, min_tokens, allowed tokens and bad words under speculation: greedy output
+equals target-only greedy output with the same parameters, on both target engines, with a remote draft.
+
+vLLM's own target-only engine is the reference; a vLLM target verifying remote drafts hands the
+parameters to vLLM's sampler (which applies them at every draft position); specserve's own engine
+processes each verified position with its own prefix (``logits_processing.py``). vLLM builds no
+logit-bias or min-p processor when speculation is configured, so the vLLM target engine refuses
+those two with a ``ValueError`` naming the field instead of ignoring them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+from .conftest import VLLM_OPTIONS, random_prompts, start_runner
+
+TARGET, DRAFT = "demo:target", "demo:draft"
+PROMPTS = random_prompts(6, length=12)
+CASES = {  # name -> the parameters, beyond greedy and 40 tokens
+    "penalties": {"repetition_penalty": 1.3, "presence_penalty": 0.6, "frequency_penalty": 0.4},
+    "logit_bias": {"logit_bias": {292: 6.0, 367: 4.0, 1764: -100.0}},
+    "min_tokens": {"min_tokens": 30, "stop_token_ids": [292, 367], "ignore_eos": False},
+    "allowed_and_bad_words": {"allowed_token_ids": list(range(250, 450)), "bad_words": ["the", "of"]},
+}
+
+
+def params(case: str) -> dict:
+    return {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, **CASES[case]}
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster):
+    import ray
+
+    from specserve.config import resolve_model
+
+    runner = start_runner(model=resolve_model(TARGET))
+    try:
+        yield {case: ray.get(runner.generate.remote(PROMPTS, params(case))) for case in CASES}
+    finally:
+        ray.kill(runner)
+
+
+def engine(backend: str) -> LLM:
+    options = {"target_backend_options": VLLM_OPTIONS} if backend == "vllm" else {}
+    return LLM(TARGET, draft=DRAFT, ray=True, target_backend=backend, num_speculative_tokens=4, adaptive=False,
+               target_num_cpus=0.5, draft_num_cpus=0.5, draft_min_timeout_s=5.0, **options)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_greedy_with_sampling_features_equals_vllm_target_only(ray_cluster, reference, backend):
+    llm = engine(backend)
+    try:
+        for case in CASES:
+            p = params(case)
+            if "logit_bias" in p:
+                p["logit_bias"] = tuple(p["logit_bias"].items())
+                if backend == "vllm":  # vLLM ignores logit_bias (and min_p) when speculation is configured
+                    with pytest.raises(ValueError, match="logit_bias"):
+                        llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)
+                    continue
+            outs = llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)
+            assert [list(o.token_ids) for o in outs] == reference[case], case
+        m = llm.metrics()
+        assert m["num_accepted_tokens"] > 0  # the drafts were verified, not bypassed
+    finally:
+        llm.shutdown()
+
+
+def test_the_features_change_the_output(reference):
+    plain = reference["penalties"]  # (each case against its own reference above; here: they are not no-ops)
+    assert reference["logit_bias"] != plain
+    allowed = set(CASES["allowed_and_bad_words"]["allowed_token_ids"])
+    assert all(set(t) <= allowed and 292 not in t and 367 not in t for t in reference["allowed_and_bad_words"])
+    assert all(len(t) >= 30 for t in reference["min_tokens"])
