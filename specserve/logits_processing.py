@@ -39,6 +39,34 @@ def bad_word_token_ids(words, tokenizer) -> list[list[int]]:
     return out
 
 
+def logprob_entries(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[list[list]]:
+    """Per token: [[token, logprob], [top-1 id, logprob], ..., [top-N id, logprob]] from ``logits``
+    [len(tokens), vocab], the raw logits each token was chosen from (vLLM's default: raw model
+    logprobs, before any processing)."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    own = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    tops = lp.topk(top_n, dim=-1) if top_n else None
+    out = []
+    for j, tok in enumerate(tokens):
+        entry = [[tok, own[j]]]
+        if tops is not None:
+            entry += [[int(i), float(v)] for v, i in zip(tops.values[j].tolist(), tops.indices[j].tolist())]
+        out.append(entry)
+    return out
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int, tokenizer) -> None:
+    """Raise ``ValueError`` for what only the target can check: token ids beyond its vocabulary,
+    bad words its tokenizer cannot express."""
+    for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", [t for t, _ in params.logit_bias])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name}: token ids must be below the target's vocabulary size {vocab_size}, got {bad[:5]}")
+    bad_word_token_ids(params.bad_words, tokenizer)
+
+
 class SeqProcessor:
     """One sequence's processing, built once when it opens."""
 

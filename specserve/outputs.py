@@ -82,6 +82,9 @@ class StepDelta:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     fallback: bool = False
+    # Per new token (with SamplingParams.logprobs): [[token, logprob], [top-1 id, logprob], ...]: the
+    # target's raw logprobs at that position, the token's own first, then the top-N by rank.
+    logprobs: list | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepDelta":
@@ -99,6 +102,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    logprobs: list | None = None  # per generated token, as StepDelta.logprobs (None: not asked for)
 
     @property
     def finished(self) -> bool:
@@ -107,6 +111,10 @@ class RequestOutput:
     def add(self, delta: StepDelta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
         self.metrics.record(delta.num_draft_tokens, delta.num_accepted_tokens, delta.fallback)
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason

@@ -13,6 +13,7 @@ from .rng import MAX_SEED
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 _MAX_INT32 = 2**31 - 1
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None  # only these tokens (None: all)
     bad_words: tuple[str, ...] = ()  # words never generated (their last token masked after the rest)
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # report each generated token's logprob and the top-N (0: the token's only); raw model logprobs, as vLLM
 
     def __post_init__(self) -> None:
         # Accept lists and single strings the way vLLM does, but store tuples (hashable, frozen).
@@ -100,6 +102,9 @@ class SamplingParams:
             for t in allowed:
                 _check_token("allowed_token_ids", t)
             object.__setattr__(self, "allowed_token_ids", allowed)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
         if any(not isinstance(w, str) or not w.strip() for w in words):
             raise ValueError(f"bad_words must be non-empty strings, got {list(words)!r}")

@@ -18,11 +18,11 @@ import torch
 
 from .backends.base import ModelBackend
 from .messages import DraftBlock, VerifyResult
+from .logits_processing import SeqProcessor, bad_word_token_ids, check_token_ids, logprob_entries
 from .models import vocab_fingerprint
 from .outputs import StepDelta
 from .sampling_params import SamplingParams
 from .stopping import StopChecker
-from .logits_processing import SeqProcessor, bad_word_token_ids
 from .verifier import SamplingBatch, verify
 
 logger = logging.getLogger(__name__)
@@ -71,11 +71,7 @@ class TargetSide:
         """Everything ``open`` would reject, checked up front (at submission)."""
         self.check_prompt(prompt_token_ids)
         StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", [t for t, _ in params.logit_bias])):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token ids must be below the target's vocabulary size {self.vocab_size}, got {bad[:5]}")
-        bad_word_token_ids(params.bad_words, self.tokenizer)
+        check_token_ids(params, self.vocab_size, self.tokenizer)
 
     def vocab_fingerprint(self) -> dict:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
@@ -143,6 +139,8 @@ class TargetSide:
             cols = torch.arange(width, device=device)[None, :]
             index = (width - 1 - num_draft)[:, None] + torch.minimum(cols, num_draft[:, None])
             logits = logits.gather(1, index[..., None].expand(batch_size, width, vocab))
+        raw = {row: logits[row, : len(d) + 1].clone() for row, (s, d) in enumerate(zip(seqs, drafts))
+               if s.params.logprobs is not None}  # reported as the model gives them (before any processing)
         if any(s.processor is not None for s in seqs):  # each row with the output it follows (drafts included)
             if logits.dtype in (torch.float16, torch.bfloat16):
                 logits = logits.float()
@@ -165,9 +163,9 @@ class TargetSide:
         # .tolist(): committing and stop checks run per sequence on the host.
         num_accepted, next_token_ids = num_accepted.tolist(), next_token_ids.tolist()
         deltas, results, failed = [], [], {}
-        for s, d, a, nxt in zip(seqs, drafts, num_accepted, next_token_ids):
+        for row, (s, d, a, nxt) in enumerate(zip(seqs, drafts, num_accepted, next_token_ids)):
             try:
-                deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback)
+                deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback, raw.get(row))
             except Exception as exc:  # one sequence's failure is its own (the engine closes it on both sides)
                 logger.exception("request %s failed while committing its tokens", s.request_id)
                 failed[s.request_id] = exc
@@ -176,14 +174,15 @@ class TargetSide:
             results.append(deltas_result[1])
         return deltas, results, failed
 
-    def _commit(self, s: TargetSeq, drafts: list[int], num_accepted: int, next_token: int, fallback: bool):
+    def _commit(self, s: TargetSeq, drafts: list[int], num_accepted: int, next_token: int, fallback: bool, raw_logits=None):
         base_len = len(s.token_ids)
         kept = s.stopper.append(drafts[:num_accepted] + [next_token])
         s.token_ids.extend(kept)
         self.backend.truncate(s.request_id, len(s.token_ids) - 1)
         finished = s.stopper.finish_reason is not None
+        logprobs = logprob_entries(raw_logits, kept, s.params.logprobs) if raw_logits is not None else None
         delta = StepDelta(s.request_id, kept, s.stopper.text_delta(), finished, s.stopper.finish_reason,
-                          s.stopper.stop_reason, len(drafts), num_accepted, fallback)
+                          s.stopper.stop_reason, len(drafts), num_accepted, fallback, logprobs)
         return delta, VerifyResult(s.request_id, base_len, min(num_accepted, len(kept)), kept)
 
     @property

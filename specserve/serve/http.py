@@ -132,6 +132,34 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
+class LogprobsFormatter:
+    """``StepDelta.logprobs`` entries as OpenAI's ``logprobs`` objects (completions: tokens,
+    token_logprobs, top_logprobs, text_offset; chat: content[] with bytes and top_logprobs), token
+    texts decoded one token at a time (or ``token_id:<id>``); -inf as -9999.0, as vLLM sends it."""
+
+    def __init__(self, tokenizer, chat: bool, as_ids: bool):
+        self.tokenizer, self.chat, self.as_ids = tokenizer, chat, as_ids or tokenizer is None
+        self.offset = 0  # completions' text_offset: where the next token's text starts
+
+    def token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
+
+    def __call__(self, entries: list) -> dict:
+        lp = lambda v: max(float(v), -9999.0)  # noqa: E731  (JSON has no -inf)
+        if self.chat:
+            def item(token_id, value) -> dict:
+                text = self.token(token_id)
+                return {"token": text, "logprob": lp(value), "bytes": list(text.encode("utf-8"))}
+            return {"content": [{**item(*e[0]), "top_logprobs": [item(*t) for t in e[1:]]} for e in entries]}
+        tokens, offsets = [], []
+        for e in entries:
+            tokens.append(self.token(e[0][0]))
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp(e[0][1]) for e in entries],
+                "top_logprobs": [{self.token(t): lp(v) for t, v in e[1:]} for e in entries], "text_offset": offsets}
+
+
 def is_dead_replica(exc: BaseException) -> bool:
     import ray
 

@@ -5,8 +5,8 @@ later for being out of range: seeds fit the generator and the wire, booleans are
 as integers, strings are valid Unicode (no lone surrogates), NaN/infinity are rejected,
 chat content parts have the right types. Every field of vLLM's request models is known
 (``tests/unit/test_protocol_fields.py`` checks it against the installed vLLM); unknown fields
-are rejected (400 naming them); fields specserve does not implement yet (n > 1, logprobs,
-tools, structured outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
+are rejected (400 naming them); fields specserve does not implement yet (n > 1, prompt
+logprobs, tools, structured outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from ..rng import MAX_SEED
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_CHARS = 1024
 
@@ -57,16 +57,13 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1, None), "one choice per request"),
     "use_beam_search": ((False, None), "beam search is not speculative decoding"),
     "length_penalty": ((1.0, 1, None), "it applies to beam search only"),
-    "logprobs": ((None, False, 0), "logprobs are not reported yet"),
-    "top_logprobs": ((None, 0), "logprobs are not reported yet"),
-    "prompt_logprobs": ((None, 0), "logprobs are not reported yet"),
-    "logprob_token_ids": ((None, []), "logprobs are not reported yet"),
-    "echo": ((False, None), "echo needs prompt logprobs, which are not reported yet"),
+    "prompt_logprobs": ((None,), "prompt logprobs are not reported yet"),
+    "logprob_token_ids": ((None, []), "logprobs of chosen token ids are not reported yet"),
+    "echo": ((False, None), "echo is not supported yet"),
     "suffix": ((None, ""), "no insertion models are served"),
     "prompt_embeds": ((None,), "prompts are text or token ids"),
     "structured_outputs": ((None,), "structured outputs are not supported yet"),
     "watermarking": ((None, False), "no watermarking"),
-    "return_tokens_as_token_ids": ((None, False), "logprobs are not reported yet"),
     "routed_experts_prompt_start": ((0, None), "no expert routing is reported"),
     "return_token_offsets": ((None, False), "token offsets are not reported"),
     "mm_payload": (("tensors", None), "text models only"),
@@ -129,7 +126,6 @@ class _SamplingFields(_Body):
     idx_in_batch: StrictInt | None = Field(None, description="Accepted and ignored: the row index Ray Data's processor adds.")
     # vLLM fields accepted only at their neutral value (NEUTRAL says why another value is refused).
     n: Any = _neutral("Must be 1: one choice per request.")
-    logprobs: Any = _neutral("Not supported yet: must be null/false/0.")
     prompt_logprobs: Any = _neutral()
     logprob_token_ids: Any = _neutral()
     use_beam_search: Any = _neutral()
@@ -137,7 +133,7 @@ class _SamplingFields(_Body):
     structured_outputs: Any = _neutral()
     prompt_embeds: Any = _neutral()
     watermarking: Any = _neutral()
-    return_tokens_as_token_ids: Any = _neutral()
+    return_tokens_as_token_ids: StrictBool | None = Field(None, description="vLLM extension: logprobs name tokens 'token_id:<id>' instead of their text.")
     routed_experts_prompt_start: Any = _neutral()
     return_token_offsets: Any = _neutral()
     mm_payload: Any = _neutral()
@@ -195,6 +191,7 @@ class _SamplingFields(_Body):
             min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
             frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
             min_tokens=self.min_tokens, logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            logprobs=self.num_logprobs,
             allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=tuple(self.bad_words or ()), include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -210,14 +207,24 @@ class _SamplingFields(_Body):
         return token_ids[:n] if self.truncation_side == "right" else token_ids[-n:]
 
     @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated token (None: no logprobs); each request kind says how it asks."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(..., description="One prompt: text or token ids.")
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each token's logprob and the top-N (the target's raw logprobs).")
     best_of: Any = _neutral("Must be null or 1.")
     suffix: Any = _neutral("Must be null.")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _single_prompt(self):
@@ -254,7 +261,8 @@ class ChatCompletionRequest(_SamplingFields):
         None, max_length=32, description="vLLM extension: extra variables for the chat template (e.g. enable_thinking).")
     include_reasoning: StrictBool = Field(True, description="vLLM extension: accepted; no reasoning parser runs, so the text is whole.")
     parallel_tool_calls: StrictBool | None = Field(True, description="Accepted: no tools are called.")
-    top_logprobs: Any = _neutral("Not supported yet: must be 0 or null.")
+    logprobs: StrictBool | None = Field(False, description="Each token's logprob (the target's raw logprobs).")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: the N most likely tokens at each position.")
     tools: Any = _neutral("Not supported yet: must be null.")
     tool_choice: Any = _neutral("Only none (or auto, with no tools).")
     reasoning_effort: Any = _neutral()
@@ -264,8 +272,14 @@ class ChatCompletionRequest(_SamplingFields):
     mm_processor_kwargs: Any = _neutral()
     return_prompt_text: Any = _neutral()
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @model_validator(mode="after")
     def _chat_fields(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":

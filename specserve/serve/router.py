@@ -29,8 +29,8 @@ from ray import serve
 from ..config import SpecserveConfig
 from ..outputs import RequestOutput, StepDelta
 from .edge import EdgeLimits, error_body
-from .http import (ERROR_RESPONSES, APIError, DeadTarget, is_dead_replica, next_chunk, usage_body, fastapi_app, unavailable,
-                   validation_message)
+from .http import (ERROR_RESPONSES, APIError, DeadTarget, LogprobsFormatter, fastapi_app, is_dead_replica, next_chunk, unavailable,
+                   usage_body, validation_message)
 from .metrics import prometheus_text
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -351,7 +351,9 @@ class Router:
         if chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
-            choice.update(text=out.text, logprobs=None)
+            choice["text"] = out.text
+        if out.logprobs is not None or not chat:
+            choice["logprobs"] = self._logprob_formatter(chat, body)(out.logprobs) if out.logprobs is not None else None
         if body.return_token_ids:
             choice.update(prompt_token_ids=list(token_ids), token_ids=list(out.token_ids))
         return {
@@ -360,10 +362,14 @@ class Router:
             "specserve": {**out.metrics.to_dict(), "target": source},
         }
 
+    def _logprob_formatter(self, chat: bool, body) -> LogprobsFormatter:
+        return LogprobsFormatter(self.tokenizer, chat, bool(body.return_tokens_as_token_ids))
+
     async def _chunks(self, rid, chat, gen, first: StepDelta, source, token_ids, body, deadline):
         """The output as streaming chunks (dicts); a failure after the first is one in-band error chunk."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         created, out = int(time.time()), RequestOutput(rid, None, token_ids)
+        logprobs = self._logprob_formatter(chat, body) if body.num_logprobs is not None else None
 
         def chunk(d: StepDelta | None, first_chunk=False) -> dict:
             text, finish = (d.text if d else ""), (d.finish_reason if d is not None and d.finished else None)
@@ -374,6 +380,8 @@ class Router:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
             if body.return_token_ids and d is not None:
                 choice["token_ids"] = list(d.token_ids)
+            if logprobs is not None and d is not None and d.logprobs is not None:
+                choice["logprobs"] = logprobs(d.logprobs)
             body_ = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if finish is not None:
                 body_["specserve"] = out.metrics.to_dict()
@@ -385,7 +393,7 @@ class Router:
             d = first
             while True:
                 out.add(d)
-                if d.text or d.finished or (body.return_token_ids and d.token_ids):
+                if d.text or d.finished or ((body.return_token_ids or logprobs is not None) and d.token_ids):
                     yield chunk(d)
                 if d.finished:
                     break

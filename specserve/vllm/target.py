@@ -19,7 +19,7 @@ import time
 from collections import deque
 
 from ..engine import EngineLoop, RequestQueue, StepResult
-from ..logits_processing import bad_word_token_ids
+from ..logits_processing import check_token_ids
 from ..models import load_tokenizer, vocab_fingerprint
 from ..outputs import SpecMetrics, StepDelta
 from ..secret import TOKEN_ENV, resolve_token
@@ -79,6 +79,7 @@ class VLLMEngineCore(RequestQueue):
         mc = self.engine.vllm_config.model_config
         self.target = VLLMTarget(tokenizer, mc.max_model_len, mc.get_vocab_size())
         self.waiting: deque = deque()
+        self._top_n: dict[str, int] = {}  # request id -> top logprobs asked for (requests that asked)
         self.totals = SpecMetrics()
         self.counters = {"num_steps": 0, "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0,
                          "num_proposals": 0, "num_verify_steps": 0}
@@ -104,11 +105,7 @@ class VLLMEngineCore(RequestQueue):
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {t.vocab_size}), got {bad[:5]}")
         StopChecker(params, set(), t.tokenizer, len(prompt_token_ids), t.max_model_len)  # stop strings need a tokenizer
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", [x for x, _ in params.logit_bias])):
-            bad = [x for x in ids if x >= t.vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token ids must be below the target's vocabulary size {t.vocab_size}, got {bad[:5]}")
-        bad_word_token_ids(params.bad_words, t.tokenizer)
+        check_token_ids(params, t.vocab_size, t.tokenizer)
         if self.k and (params.logit_bias or params.min_p):
             # vLLM builds no min-p or logit-bias processor when speculation is configured (it warns
             # "won't work with speculative decoding" and ignores them): refuse rather than ignore.
@@ -119,6 +116,7 @@ class VLLMEngineCore(RequestQueue):
     def abort(self, request_id: str) -> bool:
         if self._drop_waiting(request_id):
             return True
+        self._top_n.pop(request_id, None)
         if self.target.seqs.pop(request_id, None) is None:
             return False
         self.engine.abort_request([request_id])  # vLLM frees it; the proposer's hook closes it on the draft
@@ -143,7 +141,8 @@ class VLLMEngineCore(RequestQueue):
                               frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, min_p=p.min_p,
                               min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias) or None,
                               allowed_token_ids=list(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
-                              bad_words=list(p.bad_words) or None, include_stop_str_in_output=p.include_stop_str_in_output)
+                              bad_words=list(p.bad_words) or None, include_stop_str_in_output=p.include_stop_str_in_output,
+                              logprobs=p.logprobs)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -156,6 +155,8 @@ class VLLMEngineCore(RequestQueue):
             rid, prompt, params = self.waiting.popleft()
             try:
                 self.target.seqs[rid] = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), self._params(params))
+                if params.logprobs is not None:
+                    self._top_n[rid] = params.logprobs
             except Exception as exc:  # this request's fault (vLLM rejected it): it fails alone
                 logger.exception("request %s rejected by vLLM", rid)
                 result.failed[rid] = exc
@@ -175,9 +176,11 @@ class VLLMEngineCore(RequestQueue):
             drafted, accepted, fallback = stats.get(internal, (0, 0, False))
             done = out.finished
             delta = StepDelta(out.request_id, list(comp.token_ids), comp.text or "", done, comp.finish_reason if done else None,
-                              comp.stop_reason if done else None, drafted, accepted, fallback)
+                              comp.stop_reason if done else None, drafted, accepted, fallback,
+                              _logprobs(comp, self._top_n.get(out.request_id, 0)))
             if done:
                 del self.target.seqs[out.request_id]
+                self._top_n.pop(out.request_id, None)
             self.totals.record(drafted, accepted, fallback)
             self.counters["num_generated_tokens"] += len(delta.token_ids)
             result.deltas.append(delta)
@@ -260,3 +263,16 @@ class VLLMEngineLoop(EngineLoop):
 
 def build_engine_loop(cfg, link, name: str = "specserve-engine") -> VLLMEngineLoop:
     return VLLMEngineLoop(VLLMEngineCore(cfg, link), name=name)
+
+
+def _logprobs(comp, top_n: int) -> list | None:
+    """vLLM's per-token logprob dicts (token id -> Logprob: the token's own, and the top ``top_n`` by
+    rank) as ``StepDelta.logprobs``."""
+    if comp.logprobs is None:
+        return None
+    out = []
+    for tok, d in zip(comp.token_ids, comp.logprobs):
+        own = d.get(tok)
+        tops = sorted((lp.rank, i, lp.logprob) for i, lp in d.items() if lp.rank is not None and 1 <= lp.rank <= top_n)
+        out.append([[tok, own.logprob if own is not None else float("-inf")]] + [[i, v] for _, i, v in tops])
+    return out

@@ -157,6 +157,31 @@ def test_openai_client_completions(client):
     assert default.usage.completion_tokens == 16  # OpenAI's default max_tokens
 
 
+def test_logprobs_through_the_openai_client(client, target_model):
+    out = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    lp, ids = out.choices[0].logprobs, out.choices[0].model_extra["token_ids"]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) == 8
+    with torch.no_grad():  # the target's raw logprobs after each prefix (drafted or not)
+        ref = torch.log_softmax(target_model(torch.tensor([PROMPT_IDS + ids])).logits[0, len(PROMPT_IDS) - 1:-1], dim=-1)
+    assert max(abs(v - ref[j, t].item()) for j, (v, t) in enumerate(zip(lp.token_logprobs, ids))) < 1e-6
+    assert all(len(top) <= 2 and abs(max(top.values()) - v) < 1e-9 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    stream = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    streamed = [v for c in stream if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4 w5"}], max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].logprob == c.logprob and c.logprob <= 0 for c in content)  # greedy: each token is the top one
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w"}], max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model=MODEL, prompt="w", max_tokens=2, logprobs=21)
+
+
 def test_openai_client_chat(client):
     msgs = [{"role": "user", "content": "w4 w5"}]
     out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
@@ -184,7 +209,7 @@ def test_sse_framing(server):
 BAD_BODIES = [
     ({"model": "nope", "prompt": "w1"}, 404, "model_not_found"),
     ({"model": MODEL, "prompt": "w1", "n": 2}, 400, None),
-    ({"model": MODEL, "prompt": "w1", "logprobs": 2}, 400, None),
+    ({"model": MODEL, "prompt": "w1", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "w1", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "w1", "temperature": 1, "seed": 2**64}, 400, "seed"),
     ({"model": MODEL, "prompt": "w1", "temperature": 1, "seed": -1}, 400, "seed"),

@@ -76,6 +76,16 @@ class VLLMRunner:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**params), use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text) if text else list(o.outputs[0].token_ids) for o in outs]
 
+    def generate_logprobs(self, prompts: list[list[int]], params: dict) -> list:
+        """(token ids, per-token [[token, logprob], [top-1, logprob], ...]) per prompt, as specserve reports them."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from specserve.vllm.target import _logprobs
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**params), use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), _logprobs(o.outputs[0], params["logprobs"])) for o in outs]
+
     def proposer(self) -> dict | None:
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         drafter = getattr(runner, "drafter", None)

@@ -1,5 +1,6 @@
 """Penalties, logit_bias, min_tokens, allowed tokens and bad words under speculation: greedy output
-equals target-only greedy output with the same parameters, on both target engines, with a remote draft.
+equals target-only greedy output with the same parameters, on both target engines, with a remote draft;
+so do the logprobs each engine reports (the target's raw ones).
 
 vLLM's own target-only engine is the reference; a vLLM target verifying remote drafts hands the
 parameters to vLLM's sampler (which applies them at every draft position); specserve's own engine
@@ -38,7 +39,9 @@ def reference(ray_cluster):
 
     runner = start_runner(model=resolve_model(TARGET))
     try:
-        yield {case: ray.get(runner.generate.remote(PROMPTS, params(case))) for case in CASES}
+        ref = {case: ray.get(runner.generate.remote(PROMPTS, params(case))) for case in CASES}
+        ref["logprobs"] = ray.get(runner.generate_logprobs.remote(PROMPTS, {**params("penalties"), "logprobs": 2}))
+        yield ref
     finally:
         ray.kill(runner)
 
@@ -63,6 +66,13 @@ def test_greedy_with_sampling_features_equals_vllm_target_only(ray_cluster, refe
                     continue
             outs = llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)
             assert [list(o.token_ids) for o in outs] == reference[case], case
+        # Logprobs: the target's raw ones (before the penalties), as vLLM target-only reports them.
+        outs = llm.generate(PROMPTS, SamplingParams(**params("penalties"), logprobs=2), use_tqdm=False)
+        for out, (tokens, expected) in zip(outs, reference["logprobs"]):
+            assert list(out.token_ids) == tokens and len(out.logprobs) == len(expected)
+            for got, want in zip(out.logprobs, expected):
+                assert [t for t, _ in got] == [t for t, _ in want]
+                assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-3
         m = llm.metrics()
         assert m["num_accepted_tokens"] > 0  # the drafts were verified, not bypassed
     finally:
