@@ -5,8 +5,8 @@ later for being out of range: seeds fit the generator and the wire, booleans are
 as integers, strings are valid Unicode (no lone surrogates), NaN/infinity are rejected,
 chat content parts have the right types. Every field of vLLM's request models is known
 (``tests/unit/test_protocol_fields.py`` checks it against the installed vLLM); unknown fields
-are rejected (400 naming them); fields specserve does not implement yet (n > 1, prompt
-logprobs, tools, structured outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
+are rejected (400 naming them); fields specserve does not implement yet (prompt logprobs,
+echo, tools, structured outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..rng import MAX_SEED
 from ..sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_STOP_CHARS = 1024
+MAX_N = 16  # choices per request: each is a sequence on the target, so one request's share is bounded
 
 
 def _unicode(value: str) -> str:
@@ -53,7 +54,6 @@ def _plain(value):
 # vLLM request fields specserve accepts at their neutral value only: name -> (the neutral values, why
 # another is refused). A neutral value is a no-op; any other value is a 400 naming the field.
 NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "n": ((1, None), "one choice per request (send n requests)"),
     "best_of": ((1, None), "one choice per request"),
     "use_beam_search": ((False, None), "beam search is not speculative decoding"),
     "length_penalty": ((1.0, 1, None), "it applies to beam search only"),
@@ -125,7 +125,7 @@ class _SamplingFields(_Body):
     return_token_ids: StrictBool | None = Field(False, description="vLLM extension: add the prompt's and the output's token ids to each choice.")
     idx_in_batch: StrictInt | None = Field(None, description="Accepted and ignored: the row index Ray Data's processor adds.")
     # vLLM fields accepted only at their neutral value (NEUTRAL says why another value is refused).
-    n: Any = _neutral("Must be 1: one choice per request.")
+    n: StrictInt | None = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (up to {MAX_N}); with a seed, choice i uses seed + i, as vLLM.")
     prompt_logprobs: Any = _neutral()
     logprob_token_ids: Any = _neutral()
     use_beam_search: Any = _neutral()

@@ -17,6 +17,7 @@ chunks), with the same validation, admission limit and metrics; a bad request ra
 # No `from __future__ import annotations` here: Serve's ingress reads the endpoints' real annotations.
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -27,7 +28,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 
 from ..config import SpecserveConfig
-from ..outputs import RequestOutput, StepDelta
+from ..outputs import RequestOutput, SpecMetrics, StepDelta
+from ..rng import MAX_SEED
 from .edge import EdgeLimits, error_body
 from .http import (ERROR_RESPONSES, APIError, DeadTarget, LogprobsFormatter, fastapi_app, is_dead_replica, next_chunk, unavailable,
                    usage_body, validation_message)
@@ -241,12 +243,12 @@ class Router:
         limits.max_in_flight = max(limits.max_in_flight, limits.in_flight)
         try:
             job = await prepare(body)
-            started = await self._started(job, body)
+            started = await self._start_all(job, body)
             if body.stream:
-                async for chunk in self._chunks(*started):
+                async for chunk in self._merged_chunks(started, body):
                     yield chunk
             else:
-                yield await self._collect(*started)
+                yield await self._collect_all(started, body)
         except APIError as exc:
             raise exc.as_exception() from None
         finally:
@@ -323,15 +325,85 @@ class Router:
                 await asyncio.sleep(0.2)
         return rid, chat, gen, first, source, token_ids, body, deadline
 
+    async def _start_all(self, job: tuple, body) -> list[tuple]:
+        """Start the request's ``n`` choices (choice i's seed is seed + i, as vLLM seeds them); all of
+        them have started, or none (an error before any output is the request's HTTP error)."""
+        n = body.n or 1
+        if n == 1:
+            return [await self._started(job, body)]
+        prefix, chat, token_ids, params = job
+        seeds = [None if params.seed is None else (params.seed + i) % (MAX_SEED + 1) for i in range(n)]
+        results = await asyncio.gather(*[self._started((prefix, chat, token_ids, dataclasses.replace(params, seed=seed)), body)
+                                         for seed in seeds], return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    r[2].cancel()
+            raise failed[0]
+        return results
+
     async def _respond(self, job: tuple, body):
-        started = await self._started(job, body)
+        started = await self._start_all(job, body)
         if body.stream:
             async def sse():
-                async for chunk in self._chunks(*started):
+                async for chunk in self._merged_chunks(started, body):
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(*started)
+        return await self._collect_all(started, body)
+
+    async def _collect_all(self, started: list[tuple], body) -> dict:
+        """One response body with a choice per started stream (index i: the i-th)."""
+        tasks = [asyncio.ensure_future(self._collect(*s)) for s in started]
+        try:
+            bodies = await asyncio.gather(*tasks)
+        finally:  # one choice failed (or the caller left): the others stop too
+            for t in tasks:
+                t.cancel()
+        if len(bodies) == 1:
+            return bodies[0]
+        merged, metrics = bodies[0], SpecMetrics()
+        merged["choices"] = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        merged["usage"] = usage_body(merged["usage"]["prompt_tokens"], sum(b["usage"]["completion_tokens"] for b in bodies))
+        for b in bodies:
+            metrics.merge(SpecMetrics.from_dict(b["specserve"]))
+        merged["specserve"] = {**metrics.to_dict(), "target": [b["specserve"]["target"] for b in bodies]}
+        return merged
+
+    async def _merged_chunks(self, started: list[tuple], body):
+        """The streams of the ``n`` choices as one stream: chunks as they come, each with its choice's
+        index and the first stream's id; one usage chunk at the end, over all of them."""
+        if len(started) == 1:
+            async for chunk in self._chunks(*started[0]):
+                yield chunk
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        counts = [0] * len(started)
+
+        async def pump(i: int, s: tuple) -> None:
+            try:
+                async for chunk in self._chunks(*s, index=i, counts=counts, response_id=started[0][0]):
+                    await queue.put(chunk)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(started)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                chunk = await queue.get()
+                if chunk is None:
+                    ended += 1
+                else:
+                    yield chunk
+            if body.include_usage:
+                rid, chat, token_ids = started[0][0], started[0][1], started[0][5]
+                yield {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+                       "model": self.model_name, "choices": [], "usage": usage_body(len(token_ids), sum(counts))}
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def _collect(self, rid, chat, gen, first, source, token_ids, body, deadline) -> dict:
         """The whole output as one response body."""
@@ -365,24 +437,28 @@ class Router:
     def _logprob_formatter(self, chat: bool, body) -> LogprobsFormatter:
         return LogprobsFormatter(self.tokenizer, chat, bool(body.return_tokens_as_token_ids))
 
-    async def _chunks(self, rid, chat, gen, first: StepDelta, source, token_ids, body, deadline):
-        """The output as streaming chunks (dicts); a failure after the first is one in-band error chunk."""
+    async def _chunks(self, rid, chat, gen, first: StepDelta, source, token_ids, body, deadline, index: int = 0,
+                      counts: list | None = None, response_id: str | None = None):
+        """The output as streaming chunks (dicts); a failure after the first is one in-band error chunk.
+        One of ``n`` choices: ``index``, the response's id, and its token count left in ``counts``
+        (the caller sends the usage)."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         created, out = int(time.time()), RequestOutput(rid, None, token_ids)
+        response_id = response_id or rid
         logprobs = self._logprob_formatter(chat, body) if body.num_logprobs is not None else None
 
         def chunk(d: StepDelta | None, first_chunk=False) -> dict:
             text, finish = (d.text if d else ""), (d.finish_reason if d is not None and d.finished else None)
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             if body.return_token_ids and d is not None:
                 choice["token_ids"] = list(d.token_ids)
             if logprobs is not None and d is not None and d.logprobs is not None:
                 choice["logprobs"] = logprobs(d.logprobs)
-            body_ = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
+            body_ = {"id": response_id, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if finish is not None:
                 body_["specserve"] = out.metrics.to_dict()
             return body_
@@ -398,7 +474,9 @@ class Router:
                 if d.finished:
                     break
                 d = StepDelta.from_dict(await next_chunk(gen, deadline))
-            if body.include_usage:
+            if counts is not None:
+                counts[index] = len(out.token_ids)
+            elif body.include_usage:
                 yield {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
                        "usage": usage_body(len(token_ids), len(out.token_ids))}
         except Exception as exc:  # after the stream started, errors travel in-band, without internals

@@ -182,6 +182,27 @@ def test_logprobs_through_the_openai_client(client, target_model):
         client.completions.create(model=MODEL, prompt="w", max_tokens=2, logprobs=21)
 
 
+def test_n_choices(client):
+    greedy = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    one = client.completions.create(model=MODEL, prompt=PROMPT_IDS, **greedy)
+    three = client.completions.create(model=MODEL, prompt=PROMPT_IDS, n=3, **greedy)
+    assert [c.index for c in three.choices] == [0, 1, 2] and {c.text for c in three.choices} == {one.choices[0].text}
+    assert (three.usage.prompt_tokens, three.usage.completion_tokens) == (4, 3 * one.usage.completion_tokens)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT_IDS, n=2, stream=True, stream_options={"include_usage": True}, **greedy))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(2)]
+    assert texts == [one.choices[0].text] * 2 and chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+    # Seeded: choice i is what the request with seed + i gives (draws are keyed by seed and position).
+    sampled = {"max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    both = client.completions.create(model=MODEL, prompt=PROMPT_IDS, n=2, seed=11, **sampled)
+    singles = [client.completions.create(model=MODEL, prompt=PROMPT_IDS, seed=11 + i, **sampled) for i in range(2)]
+    if both.model_extra["specserve"]["num_fallback_steps"] == 0 and all(s.model_extra["specserve"]["num_fallback_steps"] == 0
+                                                                        for s in singles):  # (a step without drafts draws differently)
+        assert [c.text for c in both.choices] == [s.choices[0].text for s in singles]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w4 w5"}], n=2, max_tokens=6, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_openai_client_chat(client):
     msgs = [{"role": "user", "content": "w4 w5"}]
     out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
@@ -208,7 +229,7 @@ def test_sse_framing(server):
 
 BAD_BODIES = [
     ({"model": "nope", "prompt": "w1"}, 404, "model_not_found"),
-    ({"model": MODEL, "prompt": "w1", "n": 2}, 400, None),
+    ({"model": MODEL, "prompt": "w1", "n": 17}, 400, "n"),
     ({"model": MODEL, "prompt": "w1", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "w1", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "w1", "temperature": 1, "seed": 2**64}, 400, "seed"),
