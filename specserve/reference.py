@@ -57,16 +57,17 @@ def reference_generate(
                     qs.append(q[0])
                 drafts.append(d)
         logits = _logits(target, tokens + drafts)[len(tokens) - 1 :]
-        vocab = logits.shape[-1]
+        vocab, device = logits.shape[-1], logits.device
         probs = None
         if qs:
-            probs = torch.zeros(1, len(drafts), vocab, dtype=logits.dtype)
+            probs = torch.zeros(1, len(drafts), vocab, dtype=logits.dtype, device=device)
             for i, q in enumerate(qs):
                 probs[0, i, : min(vocab, q.shape[0])] = q[:vocab]
         sampling = SamplingBatch([params.temperature], [params.top_k], [params.top_p], [seed], [len(tokens)])
         num_accepted, nxt = verify(
-            logits[None], torch.tensor([drafts], dtype=torch.long).reshape(1, len(drafts)), torch.tensor([len(drafts)]),
-            sampling, probs, torch.tensor([True]) if probs is not None else None,
+            logits[None], torch.tensor([drafts], dtype=torch.long, device=device).reshape(1, len(drafts)),
+            torch.tensor([len(drafts)], device=device), sampling, probs,
+            torch.tensor([True], device=device) if probs is not None else None,
         )
         for t in drafts[: int(num_accepted)] + [int(nxt)]:
             out.append(t)
