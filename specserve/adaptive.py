@@ -1,42 +1,44 @@
 """Choose each step's speculation by measured goodput: how many draft tokens (k), and whether a
-draft that cannot answer from its speculation cache drafts on the critical path.
+draft that cannot answer from its speculation cache drafts on the critical path (or answers
+*cache-only*, with what its cache holds, so one miss cannot make the whole batch wait).
 
-For a batch of B sequences (a_j: measured acceptance at position j; c_j: measured share of
-cache-only blocks holding at least j + 1 tokens), per sequence:
+An *arm* is one such choice, (k, cache only); (0, False) is target-only (nothing sent). Per
+batch-size bucket, the controller keeps each arm's realized rate: tokens per sequence over the
+arm's mean cycle time, both over its last ``REALIZED_WINDOW`` steady cycles (a cycle is everything
+between the ends of two engine steps; steady: the third in a row on one arm, since the first
+cycles after a switch still pay for it; cycles over 3 x the window's median are left out). It runs the best arm and, every ``probe_every`` choices of the bucket (backing off to
+16 x that while probes confirm the choice), probes a neighbour for ``probe_len`` steps: k - 1,
+k + 1, the other mode, or target-only, the least recently measured first; a bucket's first
+choices run a fixed set of arms (``warmup_arms``) so each has a rate. Measured cycle times carry
+every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
+and output handling) with nothing modelled, which is what makes the choice hold on both target
+engines: on the demo pair at batch 8 the cost model below had picked the worst arm (k = 3,
+drafting misses: 0.82x target-only) where cache-only arms delivered 1.1x. Tokens are the arm's
+measured mean once its window holds ``MEASURED_TOKENS_ROWS`` sequence-steps, and modelled
+before (per-position acceptance and the cache's coverage, pooled over every step): a cycle's
+count at batch 1 varies from 1 to k + 1, so a few cycles would rank arms by luck.
 
-    E[tokens | k]             = sum_{i=0..k} prod_{j<i} a_j          (the 1 is the recovered/bonus token)
-    E[tokens | k, cache only] = 1 + sum_{i=1..k} c_{i-1} prod_{j<i} a_j
-    cost(0)                   = t_target(B, 1)                      (target-only: nothing sent)
-    cost(k)                   = t_target(B, k + 1) + link + draft overhead + k * t_miss(B)
-    cost(k, cache only)       = t_target(B, k + 1) + link + draft overhead
-
-t_target is the whole step but the wait for the drafts, per batch-size bucket and width;
-t_miss(B) the draft's critical-path forward time per drafted position (one miss makes the
-whole batch wait); cache-only is what keeps a remote draft paying at serving batch sizes. The
-model picks the k and mode with the most E / cost (vLLM's and SGLang's rule, costs measured
-online). Whether to speculate at all is then settled by what each choice delivered: realized
-tokens per second of wall time, per bucket, over each choice's last ``REALIZED_WINDOW`` steady
-cycles (three cycles in a row with the same choice; a cycle over 3 x the median left out),
-which carries every cost the model does not see (the engine's scheduling and output handling, bookkeeping, arrivals). The first ``warmup_steps`` of each bucket cycle through
-k and both modes; one choice in ``probe_every`` probes (less often, down to one in 16 x ``probe_every``, while probes
-of the other choice keep confirming this one): the other choice for ``probe_len``
-steps (so it gets measured), or a neighbouring k, or the other mode. Costs are learned on warm
-steps only (the step before asked the same sequences for at least as much). ``budget`` is the
-time a draft has between its reply and the next request (verify + the link's floor): the draft
-sizes its tree to it. Both target engines (``EngineCore``, the vLLM proposer) decide with
-``plan_draft_lengths`` and report each step as a ``StepRecord`` and a cycle. Pure Python;
-knows nothing of models or transports.
+The goodput model (vLLM's and SGLang's rule: E[tokens | k] / cost(k) from per-position
+acceptance, the cache's coverage, the target's cost per batch size and width, the draft's
+critical-path time and the link) is kept for what must be predicted before it happens: the
+draft's time ``budget`` (the verify plus the link's floor, to which the draft sizes its tree)
+and the ``predict`` table in the metrics. Both target engines (``EngineCore``, the vLLM
+proposer) decide with ``plan_draft_lengths`` and report each step as a ``StepRecord`` and each
+cycle with its arm. Pure Python; knows nothing of models or transports.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-REALIZED_WINDOW = 32  # cycles per choice and bucket that the realized rates are taken over
+REALIZED_WINDOW = 32  # cycles per arm and bucket that the realized rates are taken over
+MIN_SWITCH_CYCLES = 8  # measured cycles an arm needs before the controller switches to it
+MEASURED_TOKENS_ROWS = 96  # sequence-steps in an arm's window from which its measured tokens replace the model's
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -82,19 +84,40 @@ class LinearCost:
         return max(1e-6, mean_y + slope * (n - mean_x))
 
 
+Arm = tuple  # (k, cache only)
+TARGET_ONLY: Arm = (0, False)
+
+
+@dataclass
+class _BucketState:
+    """One batch-size bucket's arms: realized cycles, the arm in use, the probe schedule."""
+
+    bucket: int
+    realized: dict = field(default_factory=dict)  # arm -> deque of (tokens per sequence, seconds) of steady cycles
+    current: Arm | None = None
+    queued: list = field(default_factory=list)  # arms of the next steps (warm-up, a probe)
+    since_probe: int = 0  # choices since the last probe ended
+    gap: int = 0  # choices between probes (doubles while probes confirm the current arm)
+    probing: Arm | None = None  # the arm being probed (its steps are queued)
+    last_measured: dict = field(default_factory=dict)  # arm -> choice count when it last ran
+    choices: int = 0
+    settle: bool = False  # a warm-up or probe just ended: choose the arm on the next choice
+    confirmed: int = 0  # probes in a row that kept the current arm
+
+
 class SpeculationController:
-    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 16, probe_every: int = 64,
-                 prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03, probe_len: int = 6):
+    def __init__(self, max_k: int, adaptive: bool = True, probe_every: int = 32, probe_len: int = 5,
+                 prior_acceptance: float = 0.7, prior_token_cost: float = 0.1, hysteresis: float = 0.03):
         self.max_k = max_k
         self.adaptive = adaptive
-        self.warmup_steps, self.probe_every = warmup_steps, probe_every
+        self.probe_every, self.probe_len = probe_every, probe_len
         self.prior_token_cost = prior_token_cost
         self.hysteresis = hysteresis
-        self.probe_len = probe_len
-        self.realized: dict[tuple[int, bool], deque] = {}  # (bucket, speculating) -> the last cycles' (tokens per sequence, seconds)
-        self._cycles: list[tuple[int, bool]] = []  # (bucket, speculating) of the last cycles observed
+        self.buckets: dict[int, _BucketState] = {}
+        self._cycles: list = []  # (bucket, arm) of the last cycles observed
         self.acceptance = [prior_acceptance] * max(max_k, 1)
-        self.coverage = [0.5] * max(max_k, 1)  # cache-only blocks: P(at least j + 1 tokens)
+        # batch bucket -> cache-only blocks' P(at least j + 1 tokens): the tree per sequence shrinks as the batch grows
+        self.coverage: dict[int, list[float]] = {}
         self.target_cost: dict[int, LinearCost] = {}
         self.miss_s: dict[int, float] = {}  # batch bucket -> critical-path draft forward time per drafted position
         self.link_s: float | None = None
@@ -105,24 +128,31 @@ class SpeculationController:
         self.steps = 0
         self.k = max_k
         self.cache_only = False  # this step's mode (chosen with k)
-        self._chosen = 0
-        self._bucket_chosen: dict[int, int] = {}  # batch bucket -> choices made there (its warm-up)
-        self._probe = 0
-        self._since_probe: dict[int, int] = {}  # batch bucket -> choices since its last probe
-        self._probe_gap: dict[int, int] = {}  # batch bucket -> choices between probes (doubles while the choice holds)
-        self._arm_probed: set[int] = set()
-        self._quiet_pushes = 0  # buckets whose other choice was just probed
-        self._queued: list[tuple[int, bool]] = []  # (k, cache only) of the next probe steps
+        self.arm: Arm | None = None  # this step's arm (None: no draft, nothing to measure)
+        self._quiet_pushes = 0  # target-only steps of warm-ups (every 4th pushes the deltas)
+        # SPECSERVE_TRACE=1: the last cycles (batch, tokens, ms, arm, pure, prompt tokens) in ``state()``, to see
+        # what the controller saw.
+        self.trace = deque(maxlen=20000) if os.environ.get("SPECSERVE_TRACE") else None
+
+    def warmup_arms(self, cache: bool) -> list[Arm]:
+        """The arms a bucket runs first: target-only, then k = max, about max / 2 and 1 in each mode."""
+        ks = sorted({self.max_k, (self.max_k + 1) // 2, 1}, reverse=True)
+        modes = (True, False) if cache else (False,)
+        return [TARGET_ONLY] + [(k, m) for k in ks for m in modes]
 
     # -- observations --------------------------------------------------------------------------
     def observe_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:
         for pos in range(min(num_accepted + 1, num_draft_tokens)):
             self.acceptance[pos] = _ema(self.acceptance[pos], 1.0 if pos < num_accepted else 0.0, 0.02)
 
-    def observe_coverage(self, num_asked: int, num_got: int) -> None:
+    def observe_coverage(self, num_asked: int, num_got: int, batch_size: int = 1) -> None:
         """A cache-only block: ``num_got`` of the ``num_asked`` draft tokens were in the cache."""
-        for pos in range(min(num_asked, len(self.coverage))):
-            self.coverage[pos] = _ema(self.coverage[pos], 1.0 if pos < num_got else 0.0, 0.05)
+        coverage = self._coverage(batch_size)
+        for pos in range(min(num_asked, len(coverage))):
+            coverage[pos] = _ema(coverage[pos], 1.0 if pos < num_got else 0.0, 0.05)
+
+    def _coverage(self, batch_size: int) -> list[float]:
+        return self.coverage.setdefault(_bucket(batch_size), [0.5] * max(self.max_k, 1))
 
     def observe_step(self, batch_size: int, tokens_per_row: int, target_s: float, wait_s: float = 0.0,
                      draft_compute_s: float = 0.0, draft_forward_s: float = 0.0, draft_step_s: float = 0.0,
@@ -145,44 +175,76 @@ class SpeculationController:
         if num_blocks and warm:
             self.hit_rate = _ema(self.hit_rate, num_hits / num_blocks)
 
-    def observe_cycle(self, batch_size: int, num_tokens: int, seconds: float, speculating: bool, pure: bool = True) -> None:
+    def observe_cycle(self, batch_size: int, num_tokens: int, seconds: float, arm: Arm | None, pure: bool = True,
+                      prefill_tokens: int = 0) -> None:
         """One engine step's whole cycle (everything between the ends of two steps): what it produced and
-        took. ``pure``: every part of the cycle ran the same choice (a cycle that verifies one choice's
-        drafts while waiting on another's is a switch, and left out); counted once the same choice held
-        for three cycles (the first cycle after a switch still pays for it: vLLM's first plain step
-        after speculative ones took 2-3x a steady one)."""
+        took, and the arm it ran. ``pure``: every part of the cycle ran that arm (a cycle that verifies one
+        arm's drafts while waiting on another's is a switch). Counted once the same arm held for three
+        cycles: the first cycles after a switch still pay for it (vLLM's first plain step after
+        speculative ones took 2-3x a steady one). ``prefill_tokens``: prompt tokens the cycle's step also
+        computed (vLLM mixes them into its steps), whose cost ``realized_rate`` takes out."""
+        if self.trace is not None:
+            self.trace.append((batch_size, num_tokens, round(seconds * 1e3, 2), arm, pure, prefill_tokens))
         b = _bucket(batch_size)
-        self._cycles = (self._cycles + [(b, speculating)])[-3:] if pure else []
+        self._cycles = (self._cycles + [(b, arm)])[-3:] if (pure and arm is not None) else []
         if seconds <= 0 or len(self._cycles) < 3 or len(set(self._cycles)) != 1:
             return
         # Per sequence: a bucket spans batch sizes (5 to 8 share one), and a probe caught in a draining
         # batch must not look slow for it.
-        self.realized.setdefault((b, speculating), deque(maxlen=REALIZED_WINDOW)).append((num_tokens / batch_size, seconds))
+        state = self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
+        window = state.realized.setdefault(arm, deque(maxlen=REALIZED_WINDOW))
+        window.append((num_tokens / batch_size, seconds, batch_size, prefill_tokens))
 
-    def realized_rate(self, bucket: int, speculating: bool) -> float | None:
-        """Tokens/s per sequence over the arm's last cycles, a rate of totals, without the cycles that took
-        over 3 times the median: those carry a cost of the batch's churn (requests finishing, arriving,
-        their output handled) that falls on whichever choice it meets, and a single one of them must not
-        decide between the choices (it did: one 12 ms cycle among 3 ms ones flipped batch 8 to speculating)."""
-        window = self.realized.get((bucket, speculating))
-        if not window or len(window) < 3:
+    def _prefill_cost(self, state: _BucketState) -> float:
+        """Seconds per prompt token a cycle's step spends prefilling: the slope of cycle time on prompt
+        tokens within each arm's window, pooled over the bucket's arms (0 until prompts vary)."""
+        cov = var = 0.0
+        for window in state.realized.values():
+            if len(window) < 3:
+                continue
+            mean_p = sum(w[3] for w in window) / len(window)
+            mean_s = sum(w[1] for w in window) / len(window)
+            cov += sum((w[3] - mean_p) * (w[1] - mean_s) for w in window)
+            var += sum((w[3] - mean_p) ** 2 for w in window)
+        return max(0.0, cov / var) if var > 0 else 0.0
+
+    def realized_rate(self, bucket: int, arm: Arm | bool) -> float | None:
+        """Tokens/s per sequence the arm delivers: tokens per sequence over its mean cycle time net of
+        the prompts its cycles prefilled (at batch 32 nearly every cycle admits one, and how many a
+        few cycles met would otherwise rank the arms), without the cycles that took over 3 times the
+        median: those carry a cost of the batch's churn (requests finishing, arriving, their output
+        handled) that falls on whichever arm it meets, and a single one of them must not decide
+        between the arms (it did: one 12 ms cycle among 3 ms ones flipped batch 8 to speculating).
+        Tokens are measured once the window holds ``MEASURED_TOKENS_ROWS`` sequence-steps, modelled
+        before (a cycle's count at batch 1 varies from 1 to k + 1: a few cycles would rank the arms
+        by luck). ``arm`` True / False: the best speculative arm's rate / target-only's."""
+        state = self.buckets.get(_bucket(bucket))
+        if state is None:
             return None
-        cap = 3.0 * statistics.median(s for _, s in window)
-        kept = [(t, s) for t, s in window if s <= cap]
-        return sum(t for t, _ in kept) / sum(s for _, s in kept)
-
-    def _measured(self, batch_size: int) -> tuple[float, float] | None:
-        """(realized tokens/s per sequence speculating, not speculating) at this batch size, once both are measured."""
-        b = _bucket(batch_size)
-        on, off = self.realized_rate(b, True), self.realized_rate(b, False)
-        return (on, off) if on is not None and off is not None else None
+        if isinstance(arm, bool):
+            arms = [a for a in state.realized if a[0]] if arm else [TARGET_ONLY]
+            rates = [r for a in arms if (r := self.realized_rate(bucket, a)) is not None]
+            return max(rates, default=None)
+        window = state.realized.get(arm)
+        if not window or len(window) < 2:
+            return None
+        per_token = self._prefill_cost(state)
+        net = [(t, max(1e-6, s - per_token * p), n) for t, s, n, p in window]
+        cap = 3.0 * statistics.median(s for _, s, _ in net)
+        kept = [(t, s, n) for t, s, n in net if s <= cap]
+        rows = sum(n for _, _, n in kept)
+        tokens = (sum(t for t, _, _ in kept) / len(kept) if rows >= MEASURED_TOKENS_ROWS
+                  else self.expected_tokens(arm[0], arm[1], bucket))
+        return tokens * len(kept) / sum(s for _, s, _ in kept)
 
     # -- the model -----------------------------------------------------------------------------
-    def expected_tokens(self, k: int, cache_only: bool = False) -> float:
+    def expected_tokens(self, k: int, cache_only: bool = False, batch_size: int = 1) -> float:
+        """Tokens per sequence a step with k drafts yields (the 1 is the recovered or bonus token)."""
         total, reach = 1.0, 1.0
+        coverage = self._coverage(batch_size) if cache_only else None
         for j in range(k):
             reach *= self.acceptance[j]
-            total += reach * (self.coverage[j] if cache_only else 1.0)
+            total += reach * (coverage[j] if cache_only else 1.0)
         return total
 
     def verify_s(self, batch_size: int, k: int) -> float | None:
@@ -215,91 +277,123 @@ class SpeculationController:
         for k in range(self.max_k + 1):
             for cache_only in ((False, True) if (k and cache) else (False,)):
                 c = self.cost(batch_size, k, cache_only)
-                e = self.expected_tokens(k, cache_only)
+                e = self.expected_tokens(k, cache_only, batch_size)
                 tps = batch_size * e / c if c else None
                 rows.append({"k": k, "cache_only": cache_only, "expected_tokens": e, "step_s": c, "tokens_per_s": tps,
                              "speedup": (tps * base / batch_size) if (tps and base) else None})
         return rows
 
     def choose(self, batch_size: int, have_draft: bool = True, cache: bool = False) -> int:
-        """This step's k (the same for every sequence; rows cap it by their room); sets ``cache_only``.
-        ``cache``: some draft drafts ahead, so answering from its cache alone is an option."""
+        """This step's k (the same for every sequence; rows cap it by their room); sets ``cache_only``
+        and ``arm``. ``cache``: some draft drafts ahead, so answering from its cache alone is an option."""
         self.cache_only = False
         if not have_draft or self.max_k == 0:
+            self.arm = None
             return 0
         if not self.adaptive:
+            self.arm = (self.max_k, False)
             return self.max_k
-        self._chosen += 1
         b = _bucket(batch_size)
-        seen = self._bucket_chosen[b] = self._bucket_chosen.get(b, 0) + 1
-        if seen <= self.warmup_steps:  # cycle k and the mode so every estimate of this batch size has data
-            # (each speculative step follows one that asked for at least as much: it is warm; each choice
-            # holds for a few steps, so its realized rate is measured too)
-            cycle = ((self.max_k, False), (self.max_k, False), (self.max_k, cache), (max(1, self.max_k // 2), False),
-                     (0, False), (0, False), (0, False), (0, False))
-            k, self.cache_only = cycle[(seen - 1) % len(cycle)]
-            return k
-        if self._queued:
-            k, self.cache_only = self._queued.pop(0)
-            return k
-        table = [r for r in self.predict(batch_size, cache) if r["tokens_per_s"] is not None]
-        speculative = [r for r in table if r["k"]]
-        best_on = max(speculative, key=lambda r: r["tokens_per_s"]) if speculative else {"k": self.max_k, "cache_only": False}
-        since = self._since_probe[b] = self._since_probe.get(b, 0) + 1
-        if since >= self._probe_gap.get(b, self.probe_every):  # keep measuring
-            self._since_probe[b] = 0
-            self._probe += 1
-            if not self.k or self._probe % 2:  # the other choice, long enough for steady cycles (the realized rates)
-                other = (0, False) if self.k else (best_on["k"], best_on["cache_only"] and cache)
-                self._queued += [other] * (self.probe_len - 1)
-                self._arm_probed.add(b)
-                k, self.cache_only = other
-            elif cache and self._probe % 4 == 0:  # the other mode (the model's coverage and costs)
-                k, self.cache_only = self.k, not self._cache_only_choice
-            else:  # a neighbouring k
-                k = max(1, min(self.max_k, self.k + (1 if self._probe % 8 == 3 else -1)))
-                self.cache_only = self._cache_only_choice and cache
-            return k
-        if not table:
-            self.cache_only = self._cache_only_choice and cache
-            return self.k
-        best = max(table, key=lambda r: r["tokens_per_s"])
-        measured = self._measured(batch_size)
-        if measured is not None:  # what was delivered overrules the model on whether to speculate at all
-            on, off = measured
-            if best["k"] and off > on * (1 + self.hysteresis):
-                best = next(r for r in table if r["k"] == 0)
-            elif not best["k"] and speculative and on > off * (1 + self.hysteresis):
-                best = best_on
-        current = next((r for r in table if r["k"] == self.k and r["cache_only"] == (self._cache_only_choice and cache)), None)
-        switch_arm = current is not None and bool(current["k"]) != bool(best["k"]) and measured is not None
-        if b in self._arm_probed:  # a probe of the other choice has run: it either won or costs less often
-            self._arm_probed.discard(b)
-            gap = self._probe_gap.get(b, self.probe_every)
-            self._probe_gap[b] = self.probe_every if switch_arm else min(gap * 2, self.probe_every * 16)
-        if current is None or switch_arm or best["tokens_per_s"] > current["tokens_per_s"] * (1 + self.hysteresis):
-            self.k, self._cache_only_choice = best["k"], best["cache_only"]
-        self.cache_only = self._cache_only_choice and cache and self.k > 0
-        return self.k
+        state = self.buckets.get(b) or self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
+        if not state.choices:  # the bucket's first choice: its warm-up
+            state.queued = [arm for arm in self.warmup_arms(cache) for _ in range(self.probe_len)]
+        state.choices += 1
+        if state.queued:
+            arm = state.queued.pop(0)
+            state.settle = not state.queued  # decide on the next choice, once this step's cycle is in
+        else:
+            if state.settle:
+                self._settle(b, state, cache)
+            state.since_probe += 1
+            if state.since_probe >= state.gap and (probe := self._next_probe(b, state, cache)) is not None:
+                state.probing, state.since_probe = probe, 0
+                state.queued = [probe] * (self.probe_len - 1)
+                state.realized.pop(probe, None)  # measured afresh: conditions may have changed since
+                arm = probe
+            else:
+                arm = state.current or (self.max_k, cache)
+        if arm[1] and not cache:  # no draft drafts ahead now (or a seeded request): the misses get drafted
+            arm = (arm[0], False)
+        state.last_measured[arm] = state.choices
+        self.arm = arm
+        self.k, self.cache_only = arm
+        return arm[0]
+
+    def _best(self, b: int, state: _BucketState, cache: bool, among=None) -> Arm | None:
+        arms = state.realized if among is None else [a for a in among if a in state.realized]
+        rates = {a: r for a in arms if (cache or not a[1]) and (r := self.realized_rate(b, a)) is not None}
+        return max(rates, key=rates.get) if rates else None
+
+    def _settle(self, b: int, state: _BucketState, cache: bool) -> None:
+        """After a warm-up or a probe: run the best measured arm if it beats the current one by the
+        hysteresis and on enough cycles (a promising probe is extended until it has them: the best
+        of a few noisy short measurements flatters itself); probes back off while they confirm the
+        current arm."""
+        current = state.current
+        # After a probe only the probed arm's measurement is fresh (the others' may predate a change);
+        # after the warm-up every arm's is.
+        best = self._best(b, state, cache, None if state.probing is None else [current, state.probing])
+        switched = False
+        if best is not None and best != current:
+            rate_best, rate_current = self.realized_rate(b, best), self.realized_rate(b, current) if current else None
+            if rate_current is None or rate_best > rate_current * (1 + self.hysteresis):
+                if current is not None and len(state.realized[best]) < MIN_SWITCH_CYCLES:
+                    state.probing, state.queued, state.settle = best, [best] * self.probe_len, False
+                    return
+                state.current, switched = best, current is not None
+        if state.probing is not None:  # a probe ended: the schedule adapts
+            state.confirmed = 0 if switched else state.confirmed + 1
+            if switched:
+                state.gap = self.probe_every
+            elif state.confirmed % len(self._candidates(state, cache)) == 0:  # every neighbour lost once more
+                state.gap = min(state.gap * 2, self.probe_every * 16)
+        state.probing, state.settle = None, False
+
+    def _candidates(self, state: _BucketState, cache: bool) -> list[Arm]:
+        """The current arm's neighbours: k - 1, k + 1, the other mode and target-only (from target-only:
+        the best speculative arm measured)."""
+        k, mode = state.current or (self.max_k, cache)
+        if k == 0:
+            rates = {a: r for a in state.realized if a[0] and (cache or not a[1])
+                     if (r := self.realized_rate(state.bucket, a)) is not None}
+            return [max(rates, key=rates.get)] if rates else [(self.max_k, cache)]
+        candidates = [TARGET_ONLY] + [(k2, mode) for k2 in (k - 1, k + 1) if 1 <= k2 <= self.max_k]
+        if cache:
+            candidates.append((k, not mode))
+        return candidates
+
+    def _next_probe(self, b: int, state: _BucketState, cache: bool) -> Arm | None:
+        """The neighbour of the current arm measured least recently."""
+        return min(self._candidates(state, cache), key=lambda a: state.last_measured.get(a, -1))
+
+    def probe_due_in(self, batch_size: int) -> int | None:
+        """Choices until this bucket's next probe (None: warming up, or probing now)."""
+        state = self.buckets.get(_bucket(batch_size))
+        if state is None or state.queued:
+            return None
+        return state.gap - state.since_probe
 
     def push_due(self, batch_size: int, lead: int = 4) -> bool:
-        """Whether a k = 0 step should hand the drafts its deltas (unawaited): during a bucket's warm-up,
-        and ``lead`` choices before its next probe, so the probe starts warm; never otherwise (k = 0
-        steps send nothing)."""
-        b = _bucket(batch_size)
-        if not self.adaptive or self._bucket_chosen.get(b, 0) < self.warmup_steps:
+        """Whether a k = 0 step should hand the drafts its deltas (unawaited): every 4th target-only step
+        of a warm-up, and ``lead`` choices before a probe, so the probe starts warm; never otherwise
+        (k = 0 steps send nothing)."""
+        if not self.adaptive:
+            return False
+        due = self.probe_due_in(batch_size)
+        if due is None:
             self._quiet_pushes += 1
-            return self._quiet_pushes % 4 == 0  # every 4th k = 0 step
-        return self._probe_gap.get(b, self.probe_every) - self._since_probe.get(b, 0) == lead
-
-    _cache_only_choice = False  # the mode of the current choice (as opposed to this step's, which probes may change)
+            return self._quiet_pushes % 4 == 0
+        return due == lead
 
     def state(self) -> dict:
-        realized = {f"{b}/{'on' if on else 'off'}": round(rate, 1) for b, on in sorted(self.realized)
-                    if (rate := self.realized_rate(b, on)) is not None}
-        return {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "realized_tokens_per_s": realized,
-                "acceptance_per_pos": list(self.acceptance),  # (realized: tokens/s per sequence, by bucket)
-                "coverage_per_pos": list(self.coverage), "link_ms": (self.link_s or 0.0) * 1e3,
+        realized = {f"{b}/{a[0]}{'c' if a[1] else ''}": round(rate, 1) for b, st in sorted(self.buckets.items())
+                    for a in sorted(st.realized) if (rate := self.realized_rate(b, a)) is not None}
+        arms = {str(b): f"{st.current[0]}{'c' if st.current[1] else ''}" for b, st in sorted(self.buckets.items()) if st.current}
+        extra = {"trace": list(self.trace)} if self.trace is not None else {}
+        return {**extra, "k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "realized_tokens_per_s": realized,
+                "arm_by_bucket": arms,  # (realized: tokens/s per sequence, by bucket and arm: k, 'c' for cache-only)
+                "acceptance_per_pos": list(self.acceptance),
+                "coverage_per_pos": {str(b): list(c) for b, c in sorted(self.coverage.items())}, "link_ms": (self.link_s or 0.0) * 1e3,
                 "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate, "adaptive": self.adaptive}
 
 
@@ -333,7 +427,7 @@ def observe(controller: SpeculationController, record: StepRecord) -> None:
         for rid, k in record.asked.items():
             block = o.blocks.get(rid)
             if block is not None:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
-                controller.observe_coverage(k, len(block.draft_token_ids))
+                controller.observe_coverage(k, len(block.draft_token_ids), record.batch_size)
     controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s, o.wait_s, o.compute_s + o.queue_s,
                             o.forward_s, o.draft_step_s, record.num_blocks, record.num_hits,
                             0 if record.cache_only else max(record.asked.values(), default=0), record.warm)

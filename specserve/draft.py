@@ -201,7 +201,10 @@ class DraftSide:
         missing = [rid for rid in missing if rid not in refused]
         seqs, ks = [s for s, _ in wanted], [k for _, k in wanted]
         asked = {s.request_id for s in seqs}
-        self._behind = [self.seqs[r.request_id] for r in req.results if r.request_id in self.seqs and r.request_id not in asked]
+        # Sequences told of without a block (new ones, or given tokens while the target asked nothing):
+        # prepare() feeds them, so their next block starts warm.
+        told = [r.request_id for r in req.results] + [o.request_id for o in req.opens]
+        self._behind = [self.seqs[rid] for rid in dict.fromkeys(told) if rid in self.seqs and rid not in asked]
         proposals = self.drafter.propose(seqs, ks, req.draft_misses)
         blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.cache_hit) for s, p in zip(seqs, proposals)]
         # Asked-for sequences get drafted ahead, an empty block too (a cache-only miss): its next

@@ -170,7 +170,9 @@ class EngineCore(RequestQueue):
         wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
                                    ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
                                     for rid, s in seqs.items()), cache=have_draft and self.pool.drafts_ahead)
-        cache_only = self.controller.cache_only
+        cache_only, arm = self.controller.cache_only, self.controller.arm
+        if arm is not None and arm[0] and not wants:
+            arm = None  # a speculating arm that asked nothing (no room left) measures nothing
         blocks, fallback, outcome = {}, set(), None
         if wants:
             outcome = self.pool.propose(self.step_id, wants, draft_misses=not cache_only,
@@ -207,7 +209,7 @@ class EngineCore(RequestQueue):
         busy = self._last_step_end is not None and start - self._last_step_end < max(0.02, end - start)
         # (less the prompts it admitted: their cost would land on whichever choice they met)
         self.controller.observe_cycle(batch, sum(len(d.token_ids) for d in deltas),
-                                      end - (self._last_step_end if busy else start) - prefill_s, bool(wants))
+                                      end - (self._last_step_end if busy else start) - prefill_s, arm)
         self._last_step_end = end
         self._account(record, result, end - start, self.target.forward_s - forward_before)
         return result

@@ -239,20 +239,41 @@ class ModelDrafter:
         seqs = [s for s in seqs if (s.block or s.num_asked) and self.fanout]
         if not seqs or should_stop():
             return
-        feed = []
-        for s in seqs:
-            f = s.token_ids[s.num_fed :] + s.block if s.num_fed < len(s.token_ids) else s.block[s.num_fed - len(s.token_ids) :]
-            if not f:  # everything is in the KV already (an empty block): re-feed the last token for its logits
-                s.num_fed -= 1
-                self.backend.truncate(s.key, s.num_fed)
-                f = [s.token_ids[-1]]
-            feed.append(f)
-        logits = self.backend.forward([s.key for s in seqs], feed, [1] * len(seqs))
+        feeds = [self._glue_feed(s) for s in seqs]
+        # A sequence with a long feed (a new one: its whole prompt) is glued after the others' tree, in
+        # its own forward: padded into theirs it made every row as wide as a prompt and the tree late
+        # for the whole batch (at batch 32 a new request arrives nearly every step).
+        limit = 2 * max(max(s.num_asked, len(s.block)) for s in seqs) + 2
+        short = [i for i, f in enumerate(feeds) if len(f) <= limit]
+        long = [i for i, f in enumerate(feeds) if len(f) > limit]
+        if short:
+            self._glue([seqs[i] for i in short], [feeds[i] for i in short])
+            left = max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0  # (0: no budget known)
+            self._grow_tree([seqs[i] for i in short], should_stop, left)
+        if long and not should_stop():
+            self._glue([seqs[i] for i in long], [feeds[i] for i in long])
+
+    def _glue_feed(self, s: DraftSeq) -> list[int]:
+        """What the KV has not seen of a sequence: committed tokens, then the block just sent."""
+        f = s.token_ids[s.num_fed :] + s.block if s.num_fed < len(s.token_ids) else s.block[s.num_fed - len(s.token_ids) :]
+        if not f:  # everything is in the KV already (an empty block): re-feed the last token for its logits
+            s.num_fed -= 1
+            self.backend.truncate(s.key, s.num_fed)
+            f = [s.token_ids[-1]]
+        return f
+
+    def _glue(self, seqs: list[DraftSeq], feeds: list[list[int]]) -> None:
+        """Feed each sequence's unseen tokens; the last logits give the candidates after its block."""
+        logits = self.backend.forward([s.key for s in seqs], feeds, [1] * len(seqs))
         bonus_positions = [s.block_base + len(s.block) for s in seqs]
         _, _, cands = self._choose(seqs, logits[:, -1], bonus_positions, want_cands=True)
-        for s, f, c in zip(seqs, feed, cands):
+        for s, f, c in zip(seqs, feeds, cands):
             s.num_fed += len(f)
             s.block_cands = s.block_cands[: len(s.block)] + [c]
+
+    def _grow_tree(self, seqs: list[DraftSeq], should_stop: Callable[[], bool], budget_s: float) -> None:
+        """The branch tree for the likeliest verdicts of each sequence's block, sized to ``budget_s``."""
+        started = time.perf_counter()
         scored = [self._roots(s) for s in seqs]
         live = [i for i, r in enumerate(scored) if r]
         if not live:
@@ -261,7 +282,8 @@ class ModelDrafter:
         room = self.backend.max_model_len
         depth_max = min(max(max(s.num_asked, len(s.block)) for s in seqs),
                         min(room - s.block_base - len(s.block) - 1 for s in seqs))
-        width, depth = self._tree_size(scored, depth_max, budget_s - (time.perf_counter() - started))
+        left = max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0
+        width, depth = self._tree_size(scored, depth_max, left)
         roots = [[(j, tok) for _, j, tok in r[:width]] for r in scored]
         lanes = max(len(r) for r in roots)
         branches = [[Branch([], [], []) for _ in r] for r in roots]

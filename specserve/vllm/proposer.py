@@ -93,6 +93,7 @@ class RemoteDraftProposer:
         self._between_ema: float | None = None
         self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm) of the last ask
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
+        self._prev_arm = None  # the arm of the last step's ask
         if not _is_output_rank():
             return  # vLLM takes the output rank's drafts; this rank proposes nothing
         if self.runner is None:
@@ -233,7 +234,8 @@ class RemoteDraftProposer:
         try:
             # vLLM samples under torch.inference_mode; an in-process draft's KV cache must stay a normal tensor.
             with self._lock, _torch().inference_mode(False):
-                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled)
+                return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled,
+                                     getattr(scheduler_output, "total_num_scheduled_tokens", None))
         except Exception:  # a bug here must not fail vLLM's step: this step goes target-only
             logger.exception("RemoteDraftProposer failed; no drafts this step")
             return [[] for _ in range(n)]
@@ -242,7 +244,7 @@ class RemoteDraftProposer:
             self._last_end = time.perf_counter()
             self.timing["propose_s"] += self._last_end - start
 
-    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled) -> list[list[int]]:
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled, num_scheduled=None) -> list[list[int]]:
         entered = time.perf_counter()
         verify_s = entered - self._step_started if self._step_started is not None else None
         step_s = verify_s + self._between if verify_s is not None and self._between is not None else None
@@ -251,7 +253,7 @@ class RemoteDraftProposer:
         self._step += 1
         self.step_stats = {}
         req_ids = self.runner.input_batch.req_ids
-        live, widest, prefill = {}, 0, False  # request id -> (row, sequence)
+        live, widest, prefill, decoded = {}, 0, False, 0  # request id -> (row, sequence); decode tokens this step
         for i in range(n):  # per row only what cannot wait: the committed length, and last step's block's fate
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
@@ -263,7 +265,9 @@ class RemoteDraftProposer:
                 prefill = True
                 # .tolist(): the whole prompt travels in the OpenSeq.
                 seq = self._open(rid, token_ids_cpu[i, :length].tolist())
-            elif seq.verifying or seq.fallback:
+            else:
+                decoded += 1 + (len(scheduled.get(rid, ())) if scheduled is not None else 0)
+            if seq.verifying or seq.fallback:
                 verified = (len(scheduled.get(rid, ())) if scheduled is not None else len(seq.block)) if seq.verifying else 0
                 accepted = max(0, len(sampled) - 1) if verified else 0
                 self.step_stats[rid] = (verified, accepted, seq.fallback)
@@ -274,11 +278,11 @@ class RemoteDraftProposer:
             seq.length = length
             live[rid] = (i, seq)
         verified = (len(live), 1 + widest, verify_s, step_s, prefill, self._asked)
-        # This step's whole cycle (from the previous propose's end to this one's): what the choice that
-        # drafted for it delivered, every cost included; not after an idle gap.
-        # A cycle that prefilled is left out: the prompt's cost would land on whichever choice it met.
+        # This step's whole cycle (from the previous propose's end to this one's): what the arm that
+        # drafted for it delivered, every cost included, and the prompt tokens the step prefilled (whose
+        # cost the controller takes out); not after an idle gap.
         cycle = [len(live), sum(len(x) for x in sampled_token_ids), self._between is not None and self._last_end is not None,
-                 self._asked is not None, prefill]
+                 max(0, num_scheduled - decoded) if num_scheduled is not None else 0]  # (the rest of the step's tokens: prompts)
         if self._step % RECONCILE_EVERY == 0:
             self._reconcile()
         drafts: list[list[int]] = [[] for _ in range(n)]
@@ -286,6 +290,7 @@ class RemoteDraftProposer:
         wants = plan_draft_lengths(self.controller, len(live), have,
                                    ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
                                    cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
+        arm = self.controller.arm if wants or not (self.controller.arm and self.controller.arm[0]) else None
         previous = self._asked[2] if self._asked is not None else None
         if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
             self._asked = None
@@ -295,7 +300,7 @@ class RemoteDraftProposer:
                         self._tell(rid, seq, token_ids_cpu[i])
                 self.pool.push(self._step)
             self._observe_verify(*verified, own_s=time.perf_counter() - entered)
-            self._observe_cycle(*cycle, asking=False)
+            self._observe_cycle(*cycle, arm)
             return drafts
         for rid in wants:
             i, seq = live[rid]
@@ -322,7 +327,7 @@ class RemoteDraftProposer:
         t["draft_compute_s"] += outcome.compute_s
         t["draft_forward_s"] += outcome.forward_s
         self._observe_verify(*verified, own_s=time.perf_counter() - entered - outcome.wait_s)
-        self._observe_cycle(*cycle, asking=True)
+        self._observe_cycle(*cycle, arm)
         return drafts
 
     def _observe_verify(self, batch_size: int, tokens_per_row: int, verify_s: float | None, step_s: float | None,
@@ -341,12 +346,13 @@ class RemoteDraftProposer:
             observe(self.controller, StepRecord(batch_size, tokens_per_row, step_s + own_s, outcome, len(handed), hits, asked,
                                                 cache_only, warm))
 
-    def _observe_cycle(self, batch_size: int, num_tokens: int, busy: bool, verified_drafts: bool, prefill: bool,
-                       asking: bool) -> None:
-        """This cycle verified the last ask's drafts (or none) and waited on this step's ask (or none)."""
+    def _observe_cycle(self, batch_size: int, num_tokens: int, busy: bool, prefill_tokens: int, arm) -> None:
+        """This cycle verified the last ask's drafts and waited on this step's ask: it measures ``arm``
+        when both asks ran it (None: a step that asked nothing while its arm speculates)."""
+        pure = arm is not None and arm == self._prev_arm
+        self._prev_arm = arm
         if busy and batch_size:
-            self.controller.observe_cycle(batch_size, num_tokens, time.perf_counter() - self._last_end, asking,
-                                          pure=verified_drafts == asking and not prefill)
+            self.controller.observe_cycle(batch_size, num_tokens, time.perf_counter() - self._last_end, arm, pure, prefill_tokens)
 
     def _seeded_sampled(self, rid: str) -> bool:
         params = getattr(getattr(self.runner, "requests", {}).get(rid), "sampling_params", None)

@@ -1,7 +1,7 @@
 """Adaptive speculation on the vLLM target path (``RemoteDraftProposer`` + specserve's controller).
 
 The proposer picks each step's k (0 .. num_speculative_tokens) and whether the draft answers
-from its speculation cache alone; its warm-up cycles both, so even these short runs verify
+from its speculation cache alone; its warm-up runs both, so even these short runs verify
 k = 0 steps, full-k steps and cache-only steps. Greedy output equals vLLM target-only's token
 for token, and unseeded sampled output (seeded requests keep a fixed k) follows the target's
 exact distribution (chi-square).
@@ -38,8 +38,8 @@ def test_adaptive_k_and_cache_only_steps_keep_greedy_output_exact(ray_cluster):
     finally:
         llm.shutdown()
     assert [o.token_ids for batch in outs for o in batch] == reference
-    # The warm-up (its first 16 choices, whatever the timings) cycles k = 4, 0, 4 cache-only, 2:
-    # all of them ran. (Which k follows after it depends on measured timings, so is not asserted.)
+    # A bucket's warm-up (its first choices, whatever the timings) runs k = 0, then 4, 2 and 1, each
+    # cache-only and not: all of them ran. (Which arm follows depends on measured timings, so is not asserted.)
     assert m["speculation"]["adaptive"] is True
     assert m["num_cache_only_steps"] >= 1 and m["num_proposals"] < m["num_steps"]
 
