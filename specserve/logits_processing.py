@@ -39,18 +39,22 @@ def bad_word_token_ids(words, tokenizer) -> list[list[int]]:
     return out
 
 
-def logprob_entries(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[list[list]]:
+def logprob_entries(logits: torch.Tensor, tokens: list[int], top_n: int, ranks: bool = False) -> list[list[list]]:
     """Per token: [[token, logprob], [top-1 id, logprob], ..., [top-N id, logprob]] from ``logits``
     [len(tokens), vocab], the raw logits each token was chosen from (vLLM's default: raw model
-    logprobs, before any processing)."""
+    logprobs, before any processing). ``ranks``: the token's own entry is [token, logprob, rank]
+    (1: the most likely), as vLLM reports prompt tokens."""
     if not tokens:
         return []
     lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-    own = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    own_t = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])
+    # .tolist(): the entries travel as plain lists.
+    own = own_t[:, 0].tolist()
+    rank = (lp > own_t).sum(dim=-1).add(1).tolist() if ranks else None
     tops = lp.topk(top_n, dim=-1) if top_n else None
     out = []
     for j, tok in enumerate(tokens):
-        entry = [[tok, own[j]]]
+        entry = [[tok, own[j], rank[j]]] if ranks else [[tok, own[j]]]
         if tops is not None:
             entry += [[int(i), float(v)] for v, i in zip(tops.values[j].tolist(), tops.indices[j].tolist())]
         out.append(entry)

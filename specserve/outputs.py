@@ -85,6 +85,9 @@ class StepDelta:
     # Per new token (with SamplingParams.logprobs): [[token, logprob], [top-1 id, logprob], ...]: the
     # target's raw logprobs at that position, the token's own first, then the top-N by rank.
     logprobs: list | None = None
+    # The request's first delta only (with SamplingParams.prompt_logprobs): per prompt token, as
+    # ``logprobs``; None for the first, which nothing predicts.
+    prompt_logprobs: list | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepDelta":
@@ -103,12 +106,15 @@ class RequestOutput:
     stop_reason: str | int | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     logprobs: list | None = None  # per generated token, as StepDelta.logprobs (None: not asked for)
+    prompt_logprobs: list | None = None  # per prompt token, as StepDelta.prompt_logprobs (None: not asked for)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def add(self, delta: StepDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.token_ids.extend(delta.token_ids)
         self.text += delta.text
         if delta.logprobs is not None:

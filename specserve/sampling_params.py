@@ -39,6 +39,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()  # words never generated (their last token masked after the rest)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # report each generated token's logprob and the top-N (0: the token's only); raw model logprobs, as vLLM
+    prompt_logprobs: int | None = None  # the same for each prompt token (the first has none), computed by the prefill
 
     def __post_init__(self) -> None:
         # Accept lists and single strings the way vLLM does, but store tuples (hashable, frozen).
@@ -105,6 +106,9 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}")
         words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
         if any(not isinstance(w, str) or not w.strip() for w in words):
             raise ValueError(f"bad_words must be non-empty strings, got {list(words)!r}")

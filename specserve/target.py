@@ -36,6 +36,7 @@ class TargetSeq:
     stopper: StopChecker
     seed: int  # the request's seed, or one drawn at admission
     processor: SeqProcessor | None = None  # penalties, logit_bias, ... (None: nothing beyond temperature/top-k/top-p)
+    prompt_logprobs: list | None = None  # computed by the prefill, sent with the first delta
 
 
 class TargetSide:
@@ -87,14 +88,23 @@ class TargetSide:
                 processor = SeqProcessor(params, prompt, self.vocab_size, stop_ids, bad_word_token_ids(params.bad_words, self.tokenizer))
             self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor)
             self.backend.add(rid)
-        prefill = [(rid, prompt[:-1]) for rid, prompt, _, _ in requests if len(prompt) > 1]
+        prefill = [(rid, prompt[:-1], params) for rid, prompt, params, _ in requests if len(prompt) > 1]
         if prefill:
+            # Prompt logprobs come from the prefill's own logits: every position's, for the rows that ask.
+            num_logits = [len(t) if p.prompt_logprobs is not None else 1 for _, t, p in prefill]
             try:
-                self.backend.forward([r for r, _ in prefill], [t for _, t in prefill], [1] * len(prefill))
+                logits = self.backend.forward([r for r, _, _ in prefill], [t for _, t, _ in prefill], num_logits)
             except BaseException:
                 for rid, _, _, _ in requests:
                     self.close(rid)
                 raise
+            for row, ((rid, tokens, params), n) in enumerate(zip(prefill, num_logits)):
+                if params.prompt_logprobs is not None:
+                    prompt = tokens + [self.seqs[rid].token_ids[-1]]
+                    self.seqs[rid].prompt_logprobs = [None] + logprob_entries(logits[row, -n:], prompt[1:], params.prompt_logprobs, ranks=True)
+        for rid, prompt, params, _ in requests:
+            if params.prompt_logprobs is not None and len(prompt) == 1:
+                self.seqs[rid].prompt_logprobs = [None]
 
     def close(self, request_id: str) -> None:
         if self.seqs.pop(request_id, None) is not None:
@@ -182,7 +192,8 @@ class TargetSide:
         finished = s.stopper.finish_reason is not None
         logprobs = logprob_entries(raw_logits, kept, s.params.logprobs) if raw_logits is not None else None
         delta = StepDelta(s.request_id, kept, s.stopper.text_delta(), finished, s.stopper.finish_reason,
-                          s.stopper.stop_reason, len(drafts), num_accepted, fallback, logprobs)
+                          s.stopper.stop_reason, len(drafts), num_accepted, fallback, logprobs, s.prompt_logprobs)
+        s.prompt_logprobs = None  # (sent once)
         return delta, VerifyResult(s.request_id, base_len, min(num_accepted, len(kept)), kept)
 
     @property

@@ -133,7 +133,7 @@ class RayEngine:
                             raise unwrap(exc) from None
                         outputs[i] = RequestOutput(rid, texts[i], token_ids[i], d["token_ids"], d["text"],
                                                    d["finish_reason"], d["stop_reason"], SpecMetrics.from_dict(d["metrics"]),
-                                                   d.get("logprobs"))
+                                                   d.get("logprobs"), d.get("prompt_logprobs"))
                         bar.update(1)
             except BaseException:
                 for ref in pending:
@@ -150,7 +150,7 @@ class RayEngine:
         except ray.exceptions.RayTaskError as exc:
             raise unwrap(exc) from None
         return RequestOutput(request_id, text, list(token_ids), d["token_ids"], d["text"], d["finish_reason"], d["stop_reason"],
-                             SpecMetrics.from_dict(d["metrics"]), d.get("logprobs"))
+                             SpecMetrics.from_dict(d["metrics"]), d.get("logprobs"), d.get("prompt_logprobs"))
 
     # -- streaming ------------------------------------------------------------------------------
     async def stream(self, token_ids, params, request_id):

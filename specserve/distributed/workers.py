@@ -271,7 +271,8 @@ class TargetWorker:
         async for d in self.stream(request_id, token_ids, params):
             out.add(StepDelta.from_dict(d))
         return {"request_id": request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict(), "logprobs": out.logprobs}
+                "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict(), "logprobs": out.logprobs,
+                "prompt_logprobs": out.prompt_logprobs}
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)

@@ -156,8 +156,10 @@ class LogprobsFormatter:
             tokens.append(self.token(e[0][0]))
             offsets.append(self.offset)
             self.offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp(e[0][1]) for e in entries],
-                "top_logprobs": [{self.token(t): lp(v) for t, v in e[1:]} for e in entries], "text_offset": offsets}
+        # (an echoed prompt's first token has no logprob: null, as vLLM sends it)
+        return {"tokens": tokens, "token_logprobs": [None if e[0][1] is None else lp(e[0][1]) for e in entries],
+                "top_logprobs": [None if e[0][1] is None else {self.token(t): lp(v) for t, v in e[1:]} for e in entries],
+                "text_offset": offsets}
 
 
 def is_dead_replica(exc: BaseException) -> bool:

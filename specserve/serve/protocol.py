@@ -5,8 +5,8 @@ later for being out of range: seeds fit the generator and the wire, booleans are
 as integers, strings are valid Unicode (no lone surrogates), NaN/infinity are rejected,
 chat content parts have the right types. Every field of vLLM's request models is known
 (``tests/unit/test_protocol_fields.py`` checks it against the installed vLLM); unknown fields
-are rejected (400 naming them); fields specserve does not implement yet (prompt logprobs,
-echo, tools, structured outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
+are rejected (400 naming them); fields specserve does not implement yet (tools, structured
+outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothing of Ray or the engine.
 """
 
 from __future__ import annotations
@@ -57,9 +57,7 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "best_of": ((1, None), "one choice per request"),
     "use_beam_search": ((False, None), "beam search is not speculative decoding"),
     "length_penalty": ((1.0, 1, None), "it applies to beam search only"),
-    "prompt_logprobs": ((None,), "prompt logprobs are not reported yet"),
     "logprob_token_ids": ((None, []), "logprobs of chosen token ids are not reported yet"),
-    "echo": ((False, None), "echo is not supported yet"),
     "suffix": ((None, ""), "no insertion models are served"),
     "prompt_embeds": ((None,), "prompts are text or token ids"),
     "structured_outputs": ((None,), "structured outputs are not supported yet"),
@@ -93,7 +91,7 @@ def _neutral(description: str = ""):
 
 class _SamplingFields(_Body):
     model: Text | None = Field(None, description="Model id, as listed by GET /v1/models (optional: the served one).")
-    max_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1, description="Most tokens to generate.")
+    max_tokens: StrictInt | None = Field(None, ge=0, le=2**31 - 1, description="Most tokens to generate (0: only with echo, the prompt alone).")
     temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 is greedy (lossless token for token).")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (the most likely token is always kept).")
     top_k: StrictInt | None = Field(0, ge=-1, le=2**31 - 1, description="vLLM extension: keep the k most likely tokens (0 or -1: off).")
@@ -126,7 +124,8 @@ class _SamplingFields(_Body):
     idx_in_batch: StrictInt | None = Field(None, description="Accepted and ignored: the row index Ray Data's processor adds.")
     # vLLM fields accepted only at their neutral value (NEUTRAL says why another value is refused).
     n: StrictInt | None = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (up to {MAX_N}); with a seed, choice i uses seed + i, as vLLM.")
-    prompt_logprobs: Any = _neutral()
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: each prompt token's logprob and the "
+                                                "top-N (the target's raw logprobs, from its prefill); not with stream.")
     logprob_token_ids: Any = _neutral()
     use_beam_search: Any = _neutral()
     length_penalty: Any = _neutral()
@@ -145,7 +144,6 @@ class _SamplingFields(_Body):
     thinking_token_budget: Any = _neutral()
     stream_interval: Any = _neutral()
     priority: Any = _neutral()
-    echo: Any = _neutral("Not supported yet: must be false.")
     response_format: dict | None = Field(None, description="Only {'type': 'text'} (structured outputs are not supported yet).")
 
     @model_validator(mode="before")
@@ -167,6 +165,8 @@ class _SamplingFields(_Body):
                     raise ValueError(f"{name}={value!r} is not supported by specserve: {why}")
         if self.response_format not in (None, {"type": "text"}):
             raise ValueError("response_format other than text is not supported by specserve yet")
+        if self.prompt_logprobs and self.stream:
+            raise ValueError("prompt_logprobs are not available with stream=true")
         so = self.stream_options
         if so is not None and so.continuous_usage_stats:
             raise ValueError("stream_options.continuous_usage_stats is not supported by specserve: usage comes in the final chunk")
@@ -186,12 +186,13 @@ class _SamplingFields(_Body):
         pick = lambda name, default: default if getattr(self, name) is None else getattr(self, name)  # noqa: E731
         return SamplingParams(
             temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
-            max_tokens=self.max_tokens or default_max_tokens, stop=self.stop or (), seed=self.seed,
+            max_tokens=max(1, default_max_tokens if self.max_tokens is None else self.max_tokens),  # (0: echo only; one is made and dropped)
+            stop=self.stop or (), seed=self.seed,
             ignore_eos=self.ignore_eos, stop_token_ids=tuple(self.stop_token_ids or ()), skip_special_tokens=self.skip_special_tokens,
             min_p=pick("min_p", 0.0), presence_penalty=pick("presence_penalty", 0.0),
             frequency_penalty=pick("frequency_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
             min_tokens=self.min_tokens, logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
-            logprobs=self.num_logprobs,
+            logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
             allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=tuple(self.bad_words or ()), include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -212,6 +213,13 @@ class _SamplingFields(_Body):
         return None
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs per prompt token (None: none): asked for, or (echo) as many as per generated token."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.num_logprobs if getattr(self, "echo", False) else None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -219,6 +227,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]] = Field(..., description="One prompt: text or token ids.")
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Each token's logprob and the top-N (the target's raw logprobs).")
+    echo: StrictBool | None = Field(False, description="Prepend the prompt to the text (with logprobs: the prompt tokens' logprobs too, the first null).")
     best_of: Any = _neutral("Must be null or 1.")
     suffix: Any = _neutral("Must be null.")
 
@@ -235,6 +244,8 @@ class CompletionRequest(_SamplingFields):
             self.prompt = p[0]
         if isinstance(self.prompt, (str, list)) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
         return self
 
 
@@ -262,6 +273,7 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: StrictBool = Field(True, description="vLLM extension: accepted; no reasoning parser runs, so the text is whole.")
     parallel_tool_calls: StrictBool | None = Field(True, description="Accepted: no tools are called.")
     logprobs: StrictBool | None = Field(False, description="Each token's logprob (the target's raw logprobs).")
+    echo: StrictBool = Field(False, description="vLLM extension: prepend the last message's content when it is the assistant's.")
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: the N most likely tokens at each position.")
     tools: Any = _neutral("Not supported yet: must be null.")
     tool_choice: Any = _neutral("Only none (or auto, with no tools).")
@@ -286,6 +298,8 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         if self.max_completion_tokens and not self.max_tokens:
             self.max_tokens = self.max_completion_tokens
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1")
         return self
 
 

@@ -58,6 +58,14 @@ def _parse(model, request):
 # Everything the router uses is imported or defined above it: serve.ingress snapshots the
 # module's names when the class is decorated, so a function defined further down is missing
 # in the replica.
+def _echo_entries(token_ids: list[int], prompt_logprobs: list | None) -> list:
+    """The prompt's logprob entries for an echoed completion: the first token's logprob is null."""
+    entries = list(prompt_logprobs or ())
+    if len(entries) != len(token_ids):
+        entries = [None] * len(token_ids)
+    return [[[t, None]] if e is None else e for t, e in zip(token_ids, entries)]
+
+
 @serve.ingress(fastapi_app)
 class Router:
     def __init__(self, config: dict, target, registry):
@@ -419,20 +427,55 @@ class Router:
             raise APIError(500, f"generation failed (request {rid}); the server logs have the details", "server_error") from None
         finally:
             gen.cancel()
-        choice = {"index": 0, "finish_reason": out.finish_reason}
+        prompt_only = not chat and body.max_tokens == 0  # echo of the prompt alone (one token was made to get there)
+        text, entries = ("", []) if prompt_only else (out.text, out.logprobs)
+        finish = "length" if prompt_only else out.finish_reason
+        if body.echo:
+            text = self._echo_text(chat, body, token_ids) + text
+            if not chat and out.logprobs is not None:
+                entries = _echo_entries(token_ids, out.prompt_logprobs) + entries
+        choice = {"index": 0, "finish_reason": finish}
         if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = out.text
+            choice["text"] = text
         if out.logprobs is not None or not chat:
-            choice["logprobs"] = self._logprob_formatter(chat, body)(out.logprobs) if out.logprobs is not None else None
+            choice["logprobs"] = self._logprob_formatter(chat, body)(entries) if out.logprobs is not None else None
         if body.return_token_ids:
-            choice.update(prompt_token_ids=list(token_ids), token_ids=list(out.token_ids))
-        return {
+            choice.update(prompt_token_ids=list(token_ids), token_ids=[] if prompt_only else list(out.token_ids))
+        response = {
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": self.model_name, "choices": [choice], "usage": usage_body(len(token_ids), len(out.token_ids)),
+            "model": self.model_name, "choices": [choice],
+            "usage": usage_body(len(token_ids), 0 if prompt_only else len(out.token_ids)),
             "specserve": {**out.metrics.to_dict(), "target": source},
         }
+        if body.prompt_logprobs is not None:  # vLLM's place for them: the choice's (completions), the response's (chat)
+            (response if chat else choice)["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs or [None])
+        return response
+
+    def _echo_text(self, chat: bool, body, token_ids: list[int]) -> str:
+        """What echo prepends: the prompt (completions; its text as sent unless truncated) or the last
+        message's content when it is the assistant's (chat, as vLLM)."""
+        if chat:
+            last = body.messages[-1]
+            return last.text() if last.role == "assistant" else ""
+        if isinstance(body.prompt, str) and body.truncate_prompt_tokens is None:
+            return body.prompt
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
+
+    def _prompt_logprobs(self, entries: list) -> list:
+        """Prompt logprobs as vLLM's JSON: per token None (the first) or {id: {logprob, rank, decoded_token}}."""
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else str  # noqa: E731
+        out = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            (tok, lp, *rank), tops = e[0], e[1:]
+            d = {str(t): {"logprob": max(v, -9999.0), "rank": r + 1, "decoded_token": decode(t)} for r, (t, v) in enumerate(tops)}
+            d.setdefault(str(tok), {"logprob": max(lp, -9999.0), "rank": rank[0] if rank else None, "decoded_token": decode(tok)})
+            out.append(d)
+        return out
 
     def _logprob_formatter(self, chat: bool, body) -> LogprobsFormatter:
         return LogprobsFormatter(self.tokenizer, chat, bool(body.return_tokens_as_token_ids))
@@ -447,17 +490,28 @@ class Router:
         response_id = response_id or rid
         logprobs = self._logprob_formatter(chat, body) if body.num_logprobs is not None else None
 
+        prompt_only = not chat and body.max_tokens == 0
+        echo = [body.echo]  # the first chunk with output carries the echoed prompt
+
         def chunk(d: StepDelta | None, first_chunk=False) -> dict:
             text, finish = (d.text if d else ""), (d.finish_reason if d is not None and d.finished else None)
+            entries = d.logprobs if d is not None else None
+            if prompt_only and d is not None:
+                text, entries, finish = "", ([] if entries is not None else None), ("length" if d.finished else None)
+            if echo[0] and d is not None:
+                echo[0] = False
+                text = self._echo_text(chat, body, token_ids) + text
+                if not chat and entries is not None:
+                    entries = _echo_entries(token_ids, d.prompt_logprobs) + entries
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if first_chunk else ({"content": text} if text else {})
                 choice = {"index": index, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             if body.return_token_ids and d is not None:
-                choice["token_ids"] = list(d.token_ids)
-            if logprobs is not None and d is not None and d.logprobs is not None:
-                choice["logprobs"] = logprobs(d.logprobs)
+                choice["token_ids"] = [] if prompt_only else list(d.token_ids)
+            if logprobs is not None and entries is not None:
+                choice["logprobs"] = logprobs(entries)
             body_ = {"id": response_id, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if finish is not None:
                 body_["specserve"] = out.metrics.to_dict()
@@ -469,16 +523,17 @@ class Router:
             d = first
             while True:
                 out.add(d)
-                if d.text or d.finished or ((body.return_token_ids or logprobs is not None) and d.token_ids):
+                if d.text or d.finished or echo[0] or ((body.return_token_ids or logprobs is not None) and d.token_ids):
                     yield chunk(d)
                 if d.finished:
                     break
                 d = StepDelta.from_dict(await next_chunk(gen, deadline))
+            made = 0 if prompt_only else len(out.token_ids)
             if counts is not None:
-                counts[index] = len(out.token_ids)
+                counts[index] = made
             elif body.include_usage:
                 yield {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [],
-                       "usage": usage_body(len(token_ids), len(out.token_ids))}
+                       "usage": usage_body(len(token_ids), made)}
         except Exception as exc:  # after the stream started, errors travel in-band, without internals
             logger.exception("stream %s failed", rid)
             message = (f"the target replica serving request {rid} failed; retry" if is_dead_replica(exc)
@@ -486,3 +541,4 @@ class Router:
             yield error_body(message, "server_error")
         finally:
             gen.cancel()
+

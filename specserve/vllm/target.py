@@ -80,6 +80,8 @@ class VLLMEngineCore(RequestQueue):
         self.target = VLLMTarget(tokenizer, mc.max_model_len, mc.get_vocab_size())
         self.waiting: deque = deque()
         self._top_n: dict[str, int] = {}  # request id -> top logprobs asked for (requests that asked)
+        self._prompt_n: dict[str, tuple[int, list[int]]] = {}  # request id -> (top prompt logprobs, prompt), until vLLM sends them
+        self._prompt_lp: dict[str, list] = {}  # request id -> prompt logprobs received, until its first delta carries them
         self.totals = SpecMetrics()
         self.counters = {"num_steps": 0, "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0,
                          "num_proposals": 0, "num_verify_steps": 0}
@@ -117,6 +119,8 @@ class VLLMEngineCore(RequestQueue):
         if self._drop_waiting(request_id):
             return True
         self._top_n.pop(request_id, None)
+        self._prompt_n.pop(request_id, None)
+        self._prompt_lp.pop(request_id, None)
         if self.target.seqs.pop(request_id, None) is None:
             return False
         self.engine.abort_request([request_id])  # vLLM frees it; the proposer's hook closes it on the draft
@@ -142,7 +146,7 @@ class VLLMEngineCore(RequestQueue):
                               min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias) or None,
                               allowed_token_ids=list(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
                               bad_words=list(p.bad_words) or None, include_stop_str_in_output=p.include_stop_str_in_output,
-                              logprobs=p.logprobs)
+                              logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -157,6 +161,8 @@ class VLLMEngineCore(RequestQueue):
                 self.target.seqs[rid] = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), self._params(params))
                 if params.logprobs is not None:
                     self._top_n[rid] = params.logprobs
+                if params.prompt_logprobs is not None:
+                    self._prompt_n[rid] = (params.prompt_logprobs, list(prompt))
             except Exception as exc:  # this request's fault (vLLM rejected it): it fails alone
                 logger.exception("request %s rejected by vLLM", rid)
                 result.failed[rid] = exc
@@ -171,16 +177,20 @@ class VLLMEngineCore(RequestQueue):
             if internal is None or not out.outputs:
                 continue
             comp = out.outputs[0]
+            if out.request_id in self._prompt_n and out.prompt_logprobs is not None:
+                top_n, prompt = self._prompt_n.pop(out.request_id)
+                self._prompt_lp[out.request_id] = _prompt_logprobs(out.prompt_logprobs, prompt, top_n)
             if not comp.token_ids and not out.finished:
                 continue
             drafted, accepted, fallback = stats.get(internal, (0, 0, False))
             done = out.finished
             delta = StepDelta(out.request_id, list(comp.token_ids), comp.text or "", done, comp.finish_reason if done else None,
                               comp.stop_reason if done else None, drafted, accepted, fallback,
-                              _logprobs(comp, self._top_n.get(out.request_id, 0)))
+                              _logprobs(comp, self._top_n.get(out.request_id, 0)), self._prompt_lp.pop(out.request_id, None))
             if done:
                 del self.target.seqs[out.request_id]
                 self._top_n.pop(out.request_id, None)
+                self._prompt_n.pop(out.request_id, None)
             self.totals.record(drafted, accepted, fallback)
             self.counters["num_generated_tokens"] += len(delta.token_ids)
             result.deltas.append(delta)
@@ -263,6 +273,18 @@ class VLLMEngineLoop(EngineLoop):
 
 def build_engine_loop(cfg, link, name: str = "specserve-engine") -> VLLMEngineLoop:
     return VLLMEngineLoop(VLLMEngineCore(cfg, link), name=name)
+
+
+def _prompt_logprobs(entries, prompt: list[int], top_n: int) -> list:
+    """vLLM's prompt logprobs (None for the first token, then token id -> Logprob dicts) as
+    ``StepDelta.prompt_logprobs``."""
+    out = [None]
+    for tok, d in zip(prompt[1:], list(entries)[1:]):
+        own = d.get(tok) if d is not None else None
+        tops = sorted((lp.rank, i, lp.logprob) for i, lp in (d or {}).items() if lp.rank is not None and 1 <= lp.rank <= top_n)
+        own_entry = [tok, own.logprob, own.rank] if own is not None else [tok, float("-inf"), None]
+        out.append([own_entry] + [[i, v] for _, i, v in tops])
+    return out
 
 
 def _logprobs(comp, top_n: int) -> list | None:

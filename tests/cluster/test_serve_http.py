@@ -182,6 +182,43 @@ def test_logprobs_through_the_openai_client(client, target_model):
         client.completions.create(model=MODEL, prompt="w", max_tokens=2, logprobs=21)
 
 
+def test_echo_and_prompt_logprobs_as_lm_eval_reads_them(client, target_model):
+    """lm-eval's loglikelihood request (echo, logprobs=1, max_tokens=1), vLLM's prompt_logprobs, and an
+    echo of the prompt alone (max_tokens=0): the prompt's logprobs are the target's given each prefix."""
+    with torch.no_grad():
+        ref = torch.log_softmax(target_model(torch.tensor([PROMPT_IDS])).logits[0], dim=-1)
+    out = client.completions.create(model=MODEL, prompt="w1 w2 w3 w4", max_tokens=1, temperature=0, logprobs=1, echo=True,
+                                    extra_body={"return_token_ids": True})
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    prompt = choice.model_extra["prompt_token_ids"]
+    assert choice.text.startswith("w1 w2 w3 w4") and len(lp.tokens) == len(prompt) + 1 and lp.tokens[-5:-1] == ["w1", "w2", "w3", "w4"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    ids = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=0, temperature=0, logprobs=0, echo=True,
+                                    extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    c = ids.choices[0]
+    assert c.model_extra["token_ids"] == [] and ids.usage.completion_tokens == 0 and c.finish_reason == "length"
+    assert len(c.logprobs.token_logprobs) == 4 and c.logprobs.token_logprobs[0] is None
+    assert max(abs(v - ref[j, t].item()) for j, (v, t) in enumerate(zip(c.logprobs.token_logprobs[1:], PROMPT_IDS[1:]))) < 1e-6
+    plp = c.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 4
+    for j, (d, t) in enumerate(zip(plp[1:], PROMPT_IDS[1:])):
+        assert abs(d[str(t)]["logprob"] - ref[j, t].item()) < 1e-6 and d[str(t)]["rank"] == 1 + int((ref[j] > ref[j, t]).sum())
+        assert {int(k) for k, v in d.items() if v["rank"] <= 2} >= set(ref[j].topk(2).indices.tolist())
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=3, temperature=0, echo=True, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    whole = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=3, temperature=0, echo=True, extra_body={"ignore_eos": True})
+    assert "".join(s.choices[0].text for s in streamed if s.choices) == whole.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, extra_body={"echo": True, "prompt_logprobs": 0},
+                                          messages=[{"role": "user", "content": "w4"}, {"role": "assistant", "content": "w5"}])
+    assert chat.choices[0].message.content.startswith("w5") and chat.model_extra["prompt_logprobs"][0] is None
+    for bad, field in (({"max_tokens": 0}, "max_tokens"), ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+                       ({"prompt_logprobs": -1}, "prompt_logprobs")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model=MODEL, prompt="w1", **{k: v for k, v in bad.items() if k in ("max_tokens", "stream")},
+                                      extra_body={k: v for k, v in bad.items() if k not in ("max_tokens", "stream")})
+
+
 def test_n_choices(client):
     greedy = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
     one = client.completions.create(model=MODEL, prompt=PROMPT_IDS, **greedy)

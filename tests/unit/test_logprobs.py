@@ -44,3 +44,22 @@ def test_logprobs_are_the_targets_and_do_not_depend_on_speculation(tiny_pair):
 def test_no_logprobs_unless_asked(tiny_pair):
     outs = generate(tiny_pair, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), draft=None)
     assert all(o.logprobs is None for o in outs)
+
+
+def test_prompt_logprobs_come_from_the_prefill(tiny_pair):
+    """Each prompt token's logprob given the tokens before it (the first has none), its rank, and the
+    top-N: the target's raw logprobs, the same with and without speculation, sent once per request."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    plain = generate(tiny_pair, params, draft=None)
+    spec = generate(tiny_pair, params, draft=tiny_pair["perturbed"], num_speculative_tokens=3, adaptive=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float64).eval()
+    for prompt, a, b in zip(PROMPTS, plain, spec):
+        assert a.prompt_logprobs[0] is None and len(a.prompt_logprobs) == len(prompt)
+        assert a.logprobs is None  # (generated tokens' logprobs were not asked for)
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+        for j, (entry, other) in enumerate(zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])):
+            tok, lp, rank = entry[0]
+            assert tok == prompt[j + 1] and abs(lp - ref[j, tok].item()) < 1e-6 and abs(other[0][1] - lp) < 1e-9
+            assert rank == 1 + int((ref[j] > ref[j, tok]).sum())
+            assert [t for t, _ in entry[1:]] == ref[j].topk(2).indices.tolist()

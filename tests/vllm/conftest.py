@@ -86,6 +86,17 @@ class VLLMRunner:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**params), use_tqdm=False)
         return [(list(o.outputs[0].token_ids), _logprobs(o.outputs[0], params["logprobs"])) for o in outs]
 
+    def generate_prompt_logprobs(self, prompts: list[list[int]], top_n: int) -> list:
+        """Per prompt: its tokens' logprobs, as specserve reports them (None, then [[token, logprob, rank], [top-1, logprob], ...])."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from specserve.vllm.target import _prompt_logprobs
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                 SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top_n), use_tqdm=False)
+        return [_prompt_logprobs(o.prompt_logprobs, p, top_n) for o, p in zip(outs, prompts)]
+
     def proposer(self) -> dict | None:
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         drafter = getattr(runner, "drafter", None)

@@ -1,6 +1,6 @@
 """Penalties, logit_bias, min_tokens, allowed tokens and bad words under speculation: greedy output
 equals target-only greedy output with the same parameters, on both target engines, with a remote draft;
-so do the logprobs each engine reports (the target's raw ones).
+so do the logprobs each engine reports (the target's raw ones), of generated and of prompt tokens.
 
 vLLM's own target-only engine is the reference; a vLLM target verifying remote drafts hands the
 parameters to vLLM's sampler (which applies them at every draft position); specserve's own engine
@@ -41,6 +41,7 @@ def reference(ray_cluster):
     try:
         ref = {case: ray.get(runner.generate.remote(PROMPTS, params(case))) for case in CASES}
         ref["logprobs"] = ray.get(runner.generate_logprobs.remote(PROMPTS, {**params("penalties"), "logprobs": 2}))
+        ref["prompt_logprobs"] = ray.get(runner.generate_prompt_logprobs.remote(PROMPTS, 2))
         yield ref
     finally:
         ray.kill(runner)
@@ -73,6 +74,13 @@ def test_greedy_with_sampling_features_equals_vllm_target_only(ray_cluster, refe
             for got, want in zip(out.logprobs, expected):
                 assert [t for t, _ in got] == [t for t, _ in want]
                 assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-3
+        # Prompt logprobs (the prefill's): as vLLM target-only reports them, ranks included.
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)
+        for out, expected in zip(outs, reference["prompt_logprobs"]):
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(expected)
+            for got, want in zip(out.prompt_logprobs[1:], expected[1:]):
+                assert got[0][0] == want[0][0] and abs(got[0][1] - want[0][1]) < 1e-3 and got[0][2] == want[0][2]
+                assert [t for t, _ in got[1:]] == [t for t, _ in want[1:]]
         m = llm.metrics()
         assert m["num_accepted_tokens"] > 0  # the drafts were verified, not bypassed
     finally:
