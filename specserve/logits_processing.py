@@ -1,5 +1,6 @@
 """What shapes the target's distribution beyond temperature, top-k, top-p and min-p: penalties,
-``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, as vLLM applies them.
+``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, as vLLM applies them, and a
+grammar's mask (structured outputs, ``structured.py``), applied first, as vLLM's runner does.
 
 Lossless under speculation: a verification's logits row j (after the committed prefix and the
 first j draft tokens) is processed with the output that row would follow in plain decoding:
@@ -75,8 +76,9 @@ class SeqProcessor:
     """One sequence's processing, built once when it opens."""
 
     def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
-                 stop_ids: set[int], bad_words: list[list[int]]):
+                 stop_ids: set[int], bad_words: list[list[int]], grammar=None):
         self.params, self.prompt_len, self.vocab = params, len(prompt_token_ids), vocab_size
+        self.grammar = grammar  # structured.SeqGrammar (structured outputs), or None
         self.banned = None  # [vocab] bool: tokens never allowed
         if params.allowed_token_ids is not None:
             self.banned = torch.ones(vocab_size, dtype=torch.bool)
@@ -95,6 +97,8 @@ class SeqProcessor:
         ``drafts[:j]``; returns them processed (half precision as float32, as vLLM does)."""
         x = (logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits).clone()
         p = self.params
+        if self.grammar is not None:  # each row's mask after the drafts before it (structured outputs)
+            x.masked_fill_(~self.grammar.allowed(drafts, x.shape[0]).to(x.device), float("-inf"))
         output = list(token_ids[self.prompt_len:])
         counts = None
         if self.penalties:

@@ -40,6 +40,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # report each generated token's logprob and the top-N (0: the token's only); raw model logprobs, as vLLM
     prompt_logprobs: int | None = None  # the same for each prompt token (the first has none), computed by the prefill
+    # (kind, constraint): kind json (a JSON schema, as JSON text), json_object, regex, choice (a JSON list
+    # of strings) or grammar (EBNF); masks the target's distribution at every position (``structured.py``)
+    structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and single strings the way vLLM does, but store tuples (hashable, frozen).
@@ -109,6 +112,14 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None:
+            from .structured import check_spec
+
+            so = self.structured_outputs
+            if not isinstance(so, (tuple, list)) or len(so) != 2:
+                raise ValueError(f"structured_outputs must be (kind, constraint), got {so!r}")
+            check_spec(*so)
+            object.__setattr__(self, "structured_outputs", tuple(so))
         words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
         if any(not isinstance(w, str) or not w.strip() for w in words):
             raise ValueError(f"bad_words must be non-empty strings, got {list(words)!r}")
@@ -122,7 +133,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether anything but temperature/top-k/top-p/min-p shapes the target's distribution."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.min_tokens
-                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
+                    or self.logit_bias or self.allowed_token_ids is not None or self.bad_words or self.structured_outputs)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}

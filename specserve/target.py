@@ -46,6 +46,7 @@ class TargetSide:
         self.eos_token_ids = set(eos_token_ids or ())
         self.seqs: dict[str, TargetSeq] = {}
         self.forward_s = 0.0  # time in verify forwards, for the engine's step breakdown
+        self._grammars = None  # structured.Grammars, built with the first constrained request
 
     @property
     def max_model_len(self) -> int:
@@ -73,6 +74,15 @@ class TargetSide:
         self.check_prompt(prompt_token_ids)
         StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
         check_token_ids(params, self.vocab_size, self.tokenizer)
+        if params.structured_outputs is not None:
+            self.grammars().compile(*params.structured_outputs)
+
+    def grammars(self):
+        if self._grammars is None:
+            from .structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def vocab_fingerprint(self) -> dict:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
@@ -85,7 +95,9 @@ class TargetSide:
             processor = None
             if params.processes_logits:
                 stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-                processor = SeqProcessor(params, prompt, self.vocab_size, stop_ids, bad_word_token_ids(params.bad_words, self.tokenizer))
+                grammar = self.grammars().matcher(*params.structured_outputs) if params.structured_outputs else None
+                processor = SeqProcessor(params, prompt, self.vocab_size, stop_ids, bad_word_token_ids(params.bad_words, self.tokenizer),
+                                         grammar)
             self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor)
             self.backend.add(rid)
         prefill = [(rid, prompt[:-1], params) for rid, prompt, params, _ in requests if len(prompt) > 1]
@@ -133,6 +145,8 @@ class TargetSide:
             b = blocks.get(s.request_id)
             ok = b is not None and b.base_len == len(s.token_ids)
             n = min(len(b.draft_token_ids), self.room(s)) if ok else 0
+            if n and s.processor is not None and s.processor.grammar is not None:
+                n = s.processor.grammar.valid_prefix(list(b.draft_token_ids[:n]))  # drafts the grammar forbids are never verified
             drafts.append(list(b.draft_token_ids[:n]) if n else [])
             probs.append(torch.as_tensor(b.draft_probs[:n]) if n and b.draft_probs is not None and not s.params.greedy else None)
         start = time.perf_counter()
@@ -188,6 +202,8 @@ class TargetSide:
         base_len = len(s.token_ids)
         kept = s.stopper.append(drafts[:num_accepted] + [next_token])
         s.token_ids.extend(kept)
+        if s.processor is not None and s.processor.grammar is not None:
+            s.processor.grammar.commit(kept)
         self.backend.truncate(s.request_id, len(s.token_ids) - 1)
         finished = s.stopper.finish_reason is not None
         logprobs = logprob_entries(raw_logits, kept, s.params.logprobs) if raw_logits is not None else None

@@ -11,6 +11,7 @@ outputs ...) are accepted only at their neutral value (``NEUTRAL``). Knows nothi
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -60,7 +61,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "logprob_token_ids": ((None, []), "logprobs of chosen token ids are not reported yet"),
     "suffix": ((None, ""), "no insertion models are served"),
     "prompt_embeds": ((None,), "prompts are text or token ids"),
-    "structured_outputs": ((None,), "structured outputs are not supported yet"),
     "watermarking": ((None, False), "no watermarking"),
     "routed_experts_prompt_start": ((0, None), "no expert routing is reported"),
     "return_token_offsets": ((None, False), "token offsets are not reported"),
@@ -74,8 +74,6 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
     "stream_interval": ((None, 1), "every step's tokens are streamed as they come"),
     "priority": ((0, None), "requests are served first come, first served"),
     # chat
-    "tools": ((None, []), "tool calling is not supported yet"),
-    "tool_choice": ((None, "none", "auto"), "tool calling is not supported yet"),
     "reasoning_effort": ((None,), "no reasoning parser"),
     "documents": ((None,), "the chat template gets messages only"),
     "chat_template": ((None,), "a request cannot replace the model's chat template"),
@@ -87,6 +85,62 @@ NEUTRAL: dict[str, tuple[tuple, str]] = {
 
 def _neutral(description: str = ""):
     return Field(None, description=description or "Accepted at its neutral value only (400 otherwise).")
+
+
+class JSONSchemaFormat(_Body):
+    name: Text | None = Field(None, max_length=256, description="The schema's name.")
+    description: Text | None = Field(None, description="What the schema is for.")
+    schema_: dict | None = Field(None, alias="schema", description="The JSON schema the output follows.")
+    strict: StrictBool | None = Field(None, description="Accepted: the schema is always followed exactly.")
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = Field(..., description="text (no constraint), any JSON object, or a schema.")
+    json_schema: JSONSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return self
+
+    def constraint(self) -> tuple[str, str] | None:
+        if self.type == "json_object":
+            return "json_object", ""
+        if self.type == "json_schema":
+            return "json", json.dumps(self.json_schema.schema_)
+        return None
+
+
+class StructuredOutputs(_Body):
+    json_: dict | Text | None = Field(None, alias="json", description="A JSON schema the output follows.")
+    regex: Text | None = Field(None, description="A regular expression the output matches.")
+    choice: list[Text] | None = Field(None, min_length=1, description="The output is one of these strings.")
+    grammar: Text | None = Field(None, description="An EBNF grammar (xgrammar's / GBNF syntax).")
+    json_object: StrictBool | None = Field(None, description="Any JSON object.")
+    disable_any_whitespace: StrictBool = Field(False, description="Only false: whitespace follows the grammar's default.")
+    disable_additional_properties: StrictBool = Field(False, description="Only false.")
+    whitespace_pattern: Text | None = Field(None, description="Only null.")
+    structural_tag: Text | None = Field(None, description="Only null: structural tags are not supported.")
+
+    @model_validator(mode="after")
+    def _one(self):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "structural_tag"):
+            if getattr(self, name):
+                raise ValueError(f"structured_outputs.{name} is not supported by specserve (only its neutral value)")
+        kinds = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def constraint(self) -> tuple[str, str]:
+        if self.json_ is not None:
+            return "json", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 class _SamplingFields(_Body):
@@ -129,7 +183,12 @@ class _SamplingFields(_Body):
     logprob_token_ids: Any = _neutral()
     use_beam_search: Any = _neutral()
     length_penalty: Any = _neutral()
-    structured_outputs: Any = _neutral()
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension: one constraint (json, json_object, "
+                                                         "regex, choice or grammar) every token follows.")
+    guided_json: dict | Text | None = Field(None, description="Older vLLM name of structured_outputs.json.")
+    guided_regex: Text | None = Field(None, description="Older vLLM name of structured_outputs.regex.")
+    guided_choice: list[Text] | None = Field(None, description="Older vLLM name of structured_outputs.choice.")
+    guided_grammar: Text | None = Field(None, description="Older vLLM name of structured_outputs.grammar.")
     prompt_embeds: Any = _neutral()
     watermarking: Any = _neutral()
     return_tokens_as_token_ids: StrictBool | None = Field(None, description="vLLM extension: logprobs name tokens 'token_id:<id>' instead of their text.")
@@ -144,7 +203,8 @@ class _SamplingFields(_Body):
     thinking_token_budget: Any = _neutral()
     stream_interval: Any = _neutral()
     priority: Any = _neutral()
-    response_format: dict | None = Field(None, description="Only {'type': 'text'} (structured outputs are not supported yet).")
+    response_format: ResponseFormat | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': "
+                                                   "{'name', 'schema', 'strict'}}: the output follows the schema.")
 
     @model_validator(mode="before")
     @classmethod
@@ -163,8 +223,12 @@ class _SamplingFields(_Body):
                 value = getattr(self, name)
                 if not any(value == a and type(value) is not bool or value is a for a in allowed):
                     raise ValueError(f"{name}={value!r} is not supported by specserve: {why}")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format other than text is not supported by specserve yet")
+        constraints = [name for name, value in (("response_format", self.response_format and self.response_format.constraint()),
+                                                ("structured_outputs", self.structured_outputs), ("guided_json", self.guided_json),
+                                                ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
+                                                ("guided_grammar", self.guided_grammar)) if value]
+        if len(constraints) > 1:
+            raise ValueError(f"only one constraint per request: got {', '.join(constraints)}")
         if self.prompt_logprobs and self.stream:
             raise ValueError("prompt_logprobs are not available with stream=true")
         so = self.stream_options
@@ -195,7 +259,30 @@ class _SamplingFields(_Body):
             logprobs=self.num_logprobs, prompt_logprobs=self.num_prompt_logprobs,
             allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=tuple(self.bad_words or ()), include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint(),
         )
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The request field the constraint came from (for error messages)."""
+        if getattr(self, "calls_tools", False):
+            return "tools"
+        if self.response_format is not None and self.response_format.constraint():
+            return "response_format"
+        names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return next((n for n in names if getattr(self, n) is not None), None)
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, constraint) of ``SamplingParams.structured_outputs``, from whichever field set one."""
+        if self.response_format is not None and self.response_format.constraint():
+            return self.response_format.constraint()
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint()
+        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
+                            ("grammar", self.guided_grammar)):
+            if value is not None:
+                return kind, value if isinstance(value, str) else json.dumps(value)
+        return None
 
     def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as ``truncate_prompt_tokens`` / ``truncation_side`` leave it."""
@@ -263,6 +350,27 @@ class ChatMessage(_Body):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionDef(_Body):
+    name: Text = Field(..., min_length=1, max_length=64, description="The function's name.")
+    description: Text | None = Field(None, description="What it does (the chat template may show it).")
+    parameters: dict | None = Field(None, description="A JSON schema of its arguments.")
+    strict: StrictBool | None = Field(None, description="Accepted: the schema is always followed exactly.")
+
+
+class Tool(_Body):
+    type: Literal["function"] = Field(..., description="Only functions.")
+    function: FunctionDef = Field(..., description="The function.")
+
+
+class FunctionName(_Body):
+    name: Text = Field(..., description="The function to call.")
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = Field(..., description="Only functions.")
+    function: FunctionName = Field(..., description="Which one.")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation so far.")
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=2**31 - 1, description="Newer name for max_tokens.")
@@ -271,12 +379,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, StrictBool | StrictInt | float | Text | None] | None = Field(
         None, max_length=32, description="vLLM extension: extra variables for the chat template (e.g. enable_thinking).")
     include_reasoning: StrictBool = Field(True, description="vLLM extension: accepted; no reasoning parser runs, so the text is whole.")
-    parallel_tool_calls: StrictBool | None = Field(True, description="Accepted: no tools are called.")
+    parallel_tool_calls: StrictBool | None = Field(True, description="With tool_choice required: false allows one call only.")
     logprobs: StrictBool | None = Field(False, description="Each token's logprob (the target's raw logprobs).")
     echo: StrictBool = Field(False, description="vLLM extension: prepend the last message's content when it is the assistant's.")
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs: the N most likely tokens at each position.")
-    tools: Any = _neutral("Not supported yet: must be null.")
-    tool_choice: Any = _neutral("Only none (or auto, with no tools).")
+    tools: list[Tool] | None = Field(None, max_length=128, description="Functions the model may call (the chat template sees them).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none (default): plain text; required: one or more calls, as a JSON array the output follows; "
+                          "a named function: its arguments, following its parameters' schema. auto needs a tool parser: 400.")
     reasoning_effort: Any = _neutral()
     documents: Any = _neutral()
     chat_template: Any = _neutral()
@@ -300,7 +410,38 @@ class ChatCompletionRequest(_SamplingFields):
             self.max_tokens = self.max_completion_tokens
         if self.max_tokens == 0:
             raise ValueError("max_tokens must be at least 1")
+        choice = self.tool_choice
+        if choice == "auto" and self.tools:
+            raise ValueError("tool_choice=auto needs a tool parser, which specserve does not run: use required or a named function")
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        if self.calls_tools and self.stream:
+            raise ValueError("tool calls come whole: with tool_choice required or a named function, stream must be false")
+        if self.calls_tools and super().constraint() is not None:
+            raise ValueError("only one constraint per request: tool_choice and a response format")
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    def constraint(self) -> tuple[str, str] | None:
+        """With tool_choice required: a JSON array of {name, parameters} objects, one of the tools each
+        (vLLM's schema); with a named function: that function's parameters."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
+            return "json", json.dumps(tool.function.parameters or {"type": "object", "properties": {}})
+        if self.tool_choice == "required":
+            calls = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                     "parameters": t.function.parameters or {"type": "object", "properties": {}}},
+                      "required": ["name", "parameters"]} for t in self.tools]
+            schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+            return "json", json.dumps(schema)
+        return super().constraint()
 
 
 class ErrorDetail(BaseModel):

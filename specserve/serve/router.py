@@ -66,6 +66,23 @@ def _echo_entries(token_ids: list[int], prompt_logprobs: list | None) -> list:
     return [[[t, None]] if e is None else e for t, e in zip(token_ids, entries)]
 
 
+def _tool_call_message(body, text: str, finish: str | None) -> tuple[dict, str | None]:
+    """The assistant's message for tool_choice required (the output is a JSON array of {name,
+    parameters}) or a named function (the output is its arguments), and the finish reason vLLM
+    gives (tool_calls for required, stop for a named one). An output cut short (max_tokens) is no
+    call: it stays the content."""
+    def call(name: str, arguments: str) -> dict:
+        return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+    if isinstance(body.tool_choice, str):  # required
+        try:
+            calls = [call(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return {"role": "assistant", "content": text, "tool_calls": []}, finish
+        return {"role": "assistant", "content": "", "tool_calls": calls}, "tool_calls" if finish == "stop" else finish
+    return {"role": "assistant", "content": "", "tool_calls": [call(body.tool_choice.function.name, text)]}, finish
+
+
 @serve.ingress(fastapi_app)
 class Router:
     def __init__(self, config: dict, target, registry):
@@ -79,6 +96,7 @@ class Router:
         self.model_name = self.cfg.model_name
         self.target = target
         self.registry = registry
+        self._grammar_cache = None  # structured.Grammars: constraints compiled at the edge
         self.snapshot: dict = {"draft": {}, "target": {}}
         self.snapshot_at = 0.0
         self.last_target_ok = 0.0
@@ -165,7 +183,7 @@ class Router:
                 param="max_tokens" if len(token_ids) < limit else "prompt", code="context_length_exceeded",
             )
 
-    def _params(self, body, default_max_tokens: int, token_ids: list[int]):
+    async def _params(self, body, default_max_tokens: int, token_ids: list[int]):
         try:
             params = body.sampling_params(default_max_tokens)
         except ValueError as exc:
@@ -173,7 +191,22 @@ class Router:
         self._check_lengths(token_ids, params.max_tokens)
         if params.stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model has none", param="stop")
+        if params.structured_outputs is not None:  # compiled here once, so a grammar that cannot be is a 400 at the edge
+            try:
+                await asyncio.to_thread(self._grammars().compile, *params.structured_outputs)
+            except (ValueError, ImportError) as exc:
+                raise APIError(400, str(exc), param=body.constraint_field) from None
         return params
+
+    def _grammars(self):
+        if self._grammar_cache is None:
+            from ..structured import Grammars
+
+            try:
+                self._grammar_cache = Grammars(self.tokenizer, self.info["vocab"]["vocab_size"])
+            except ValueError as exc:  # no tokenizer
+                raise ValueError(f"structured_outputs: {exc}") from None
+        return self._grammar_cache
 
     # -- endpoints --------------------------------------------------------------------------------
     @fastapi_app.get("/v1/models", responses={401: ERROR_RESPONSES[401]})
@@ -198,7 +231,7 @@ class Router:
         await self._ready()
         token_ids = await self._tokens(body.prompt, body.add_special_tokens is not False)
         token_ids = body.truncate(token_ids, self.info["max_model_len"])
-        params = self._params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, token_ids)
+        params = await self._params(body, COMPLETIONS_DEFAULT_MAX_TOKENS, token_ids)
         return "cmpl", False, token_ids, params
 
     async def _chat(self, body: ChatCompletionRequest) -> tuple:
@@ -207,13 +240,14 @@ class Router:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, f"model {self.model_name!r} has no chat template: use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 
         def render():
             # The template's text, then tokens (with special tokens only if asked: the template has them),
-            # as vLLM renders chat prompts.
+            # as vLLM renders chat prompts; tools go to the template, as vLLM passes them.
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                continue_final_message=body.continue_final_message, tokenize=False, **(body.chat_template_kwargs or {}))
+                continue_final_message=body.continue_final_message, tokenize=False, tools=tools, **(body.chat_template_kwargs or {}))
             return list(self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
         try:
@@ -221,7 +255,7 @@ class Router:
         except Exception as exc:  # a template that cannot render these messages is the request's fault
             raise APIError(400, f"the chat template cannot render these messages: {type(exc).__name__}", param="messages") from None
         token_ids = body.truncate(token_ids, self.info["max_model_len"])
-        params = self._params(body, max(1, self.info["max_model_len"] - len(token_ids)), token_ids)
+        params = await self._params(body, max(1, self.info["max_model_len"] - len(token_ids)), token_ids)
         return "chatcmpl", True, token_ids, params
 
     # -- the Python API (DeploymentHandle) ----------------------------------------------------------
@@ -435,7 +469,9 @@ class Router:
             if not chat and out.logprobs is not None:
                 entries = _echo_entries(token_ids, out.prompt_logprobs) + entries
         choice = {"index": 0, "finish_reason": finish}
-        if chat:
+        if chat and body.calls_tools:
+            choice["message"], choice["finish_reason"] = _tool_call_message(body, text, finish)
+        elif chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text

@@ -13,6 +13,7 @@ nothing of Ray or HTTP.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -136,7 +137,14 @@ class VLLMEngineCore(RequestQueue):
 
     def _params(self, p):
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+        structured = None
+        if p.structured_outputs is not None:  # vLLM's own structured outputs (its grammar masks draft positions too)
+            kind, spec = p.structured_outputs
+            value = {"json": spec, "json_object": True, "regex": spec, "choice": json.loads(spec) if kind == "choice" else None,
+                     "grammar": spec}[kind]
+            structured = StructuredOutputsParams(**{kind: value})
 
         return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
                               stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids) or None, ignore_eos=p.ignore_eos,
@@ -146,7 +154,7 @@ class VLLMEngineCore(RequestQueue):
                               min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias) or None,
                               allowed_token_ids=list(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
                               bad_words=list(p.bad_words) or None, include_stop_str_in_output=p.include_stop_str_in_output,
-                              logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
+                              logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs, structured_outputs=structured)
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> StepResult:

@@ -193,3 +193,12 @@ def test_expected_tokens_follow_per_position_acceptance():
     ctrl.acceptance = [0.5, 0.5, 0.5]
     assert ctrl.expected_tokens(0) == 1.0
     assert ctrl.expected_tokens(3) == 1 + 0.5 + 0.25 + 0.125
+
+
+def test_speculation_must_beat_target_only_by_a_margin():
+    """Cycle rates miss speculation's edge costs, so a speculative arm only 5% ahead of target-only
+    loses to it; 25% ahead, it wins."""
+    for ahead, speculates in ((1.05, False), (1.25, True)):
+        pair = Pair(0.6, lambda a, ahead=ahead: 0.01 if not a[0] else 0.01 * Pair(0.6, None).expected(a) / ahead)
+        ctrl = SpeculationController(max_k=4)
+        assert bool(settled(run(ctrl, 32, pair, 1500))[0]) is speculates, ahead

@@ -73,6 +73,10 @@ class VLLMRunner:
         from vllm.inputs import TokensPrompt
 
         torch.get_num_threads()  # this actor thread's OpenMP count = torch's (see options.sync_omp_threads)
+        if isinstance(params.get("structured_outputs"), dict):
+            from vllm.sampling_params import StructuredOutputsParams
+
+            params = {**params, "structured_outputs": StructuredOutputsParams(**params["structured_outputs"])}
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], SamplingParams(**params), use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].text) if text else list(o.outputs[0].token_ids) for o in outs]
 

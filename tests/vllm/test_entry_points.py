@@ -117,3 +117,40 @@ def test_vllms_own_benchmark_client_runs_unchanged(server, tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["completed"] == 8 and result.get("failed", 0) == 0, {k: result.get(k) for k in ("completed", "failed", "errors")}
     assert result["total_output_tokens"] == 8 * 16
+
+
+def test_structured_outputs_and_tool_calls_through_the_openai_client(server):
+    """response_format json_schema, vLLM's structured_outputs, and chat tool calls (required and named)
+    against a vLLM target with a remote draft: every output follows its grammar."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=120)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "size": {"type": "integer"}},
+              "required": ["name", "size"]}
+    out = client.completions.create(model="demo", prompt="def f(x):\n", max_tokens=48, temperature=0,
+                                    extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    value = json.loads(out.choices[0].text)
+    assert isinstance(value["name"], str) and isinstance(value["size"], int)
+    choice = client.completions.create(model="demo", prompt="import ", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["os", "sys", "re"]}})
+    assert choice.choices[0].text in ("os", "sys", "re")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+    messages = [{"role": "user", "content": "add 2 and 3"}]
+    required = client.chat.completions.create(model="demo", messages=messages, tools=tools, tool_choice="required", max_tokens=64,
+                                              temperature=0)
+    calls = required.choices[0].message.tool_calls
+    if required.choices[0].finish_reason == "tool_calls":  # (a length cut leaves the text as content)
+        assert calls and all(c.function.name == "add" and set(json.loads(c.function.arguments)) == {"a", "b"} for c in calls)
+    named = client.chat.completions.create(model="demo", messages=messages, tools=tools, max_tokens=64, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "add" and named.choices[0].message.content == ""
+    if named.choices[0].finish_reason == "stop":
+        assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    for bad, field in (({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+                       ({"response_format": {"type": "json_schema"}}, "response_format")):
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model="demo", prompt="x", max_tokens=4, extra_body=bad)
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="demo", messages=messages, tools=tools, tool_choice="auto", max_tokens=4)

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias, min_tokens, allowed tokens and bad words under speculation: greedy output
+"""Penalties, logit_bias, min_tokens, allowed tokens, bad words and grammars under speculation: greedy output
 equals target-only greedy output with the same parameters, on both target engines, with a remote draft;
 so do the logprobs each engine reports (the target's raw ones), of generated and of prompt tokens.
 
@@ -10,6 +10,8 @@ those two with a ``ValueError`` naming the field instead of ignoring them.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -24,6 +26,11 @@ CASES = {  # name -> the parameters, beyond greedy and 40 tokens
     "logit_bias": {"logit_bias": {292: 6.0, 367: 4.0, 1764: -100.0}},
     "min_tokens": {"min_tokens": 30, "stop_token_ids": [292, 367], "ignore_eos": False},
     "allowed_and_bad_words": {"allowed_token_ids": list(range(250, 450)), "bad_words": ["the", "of"]},
+    # structured outputs: vLLM's own grammar on its target (it masks draft positions too), xgrammar per verified position on ours
+    "json_schema": {"structured_outputs": {"json": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                                                                     "size": {"type": "integer"}},
+                                                    "required": ["name", "size"]}}, "ignore_eos": False},
+    "regex": {"structured_outputs": {"regex": "(def|class) [a-z]{1,6}\\(\\)"}, "ignore_eos": False},
 }
 
 
@@ -59,6 +66,9 @@ def test_greedy_with_sampling_features_equals_vllm_target_only(ray_cluster, refe
     try:
         for case in CASES:
             p = params(case)
+            if "structured_outputs" in p:  # specserve's SamplingParams take (kind, constraint)
+                (kind, spec), = p["structured_outputs"].items()
+                p["structured_outputs"] = (kind, spec if isinstance(spec, str) else json.dumps(spec))
             if "logit_bias" in p:
                 p["logit_bias"] = tuple(p["logit_bias"].items())
                 if backend == "vllm":  # vLLM ignores logit_bias (and min_p) when speculation is configured
