@@ -1,4 +1,4 @@
-"""Structured outputs: a grammar (JSON schema, any JSON object, regex, a choice of strings, EBNF) that
+"""Structured outputs: a grammar (JSON schema, any JSON object, regex, a choice of strings, EBNF or Lark) that
 masks the target's distribution at every verified position, through xgrammar (what vLLM uses).
 
 Per target a ``Grammars`` compiles each constraint once (cached); per sequence a ``SeqGrammar``
@@ -70,14 +70,18 @@ class Grammars:
             return self._cache[key]
         check_spec(kind, spec)
         try:
+            # As vLLM's xgrammar backend compiles each kind, so constrained outputs match vLLM's.
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(spec)
-            elif kind == "json_object":
-                compiled = self.compiler.compile_builtin_json_grammar()
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=True)
+            elif kind == "json_object":  # an object, as OpenAI means it
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(spec)
             elif kind == "choice":
-                compiled = self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec)))
+                choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec))
+                compiled = self.compiler.compile_grammar(f"root ::= {choices}")
+            elif "::=" not in spec:  # Lark's syntax (rule: ...), as vLLM tells them apart
+                compiled = self.compiler.compile_lark(spec)
             else:
                 compiled = self.compiler.compile_grammar(spec)
         except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
@@ -89,8 +93,8 @@ class Grammars:
             self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, kind: str, spec: str, max_rollback: int = 64) -> "SeqGrammar":
-        return SeqGrammar(_xgr().GrammarMatcher(self.compile(kind, spec), max_rollback_tokens=max_rollback), self.vocab_size,
+    def matcher(self, kind: str, spec: str) -> "SeqGrammar":
+        return SeqGrammar(_xgr().GrammarMatcher(self.compile(kind, spec)), self.vocab_size,
                           list(self.info.stop_token_ids))
 
 
