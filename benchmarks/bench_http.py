@@ -102,16 +102,16 @@ def main(argv=None) -> int:
 
         asyncio.run(handle_all(3))
         rows["serve handle"] = _stats(asyncio.run(handle_all(args.requests)))
-        http = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0, timeout=120)
-
-        async def http_stream():
+        async def http_stream(http):
             chunks = await http.completions.create(model=client.model, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0,
                                                    stream=True, extra_body={"ignore_eos": True})
             async for c in chunks:
                 yield bool(c.choices and c.choices[0].text)
 
-        async def http_all(n):
-            return [await _timed(http_stream()) for _ in range(n)]
+        async def http_all(n):  # (a client per event loop: its connections belong to the loop)
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0,
+                                          timeout=120) as http:
+                return [await _timed(http_stream(http)) for _ in range(n)]
 
         asyncio.run(http_all(3))
         rows["http"] = _stats(asyncio.run(http_all(args.requests)))
