@@ -577,4 +577,3 @@ class Router:
             yield error_body(message, "server_error")
         finally:
             gen.cancel()
-
