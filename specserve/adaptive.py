@@ -328,9 +328,8 @@ class SpeculationController:
         the demo pair at batch 32 its cycles were 5% ahead of target-only's and its whole runs 8%
         behind."""
         arms = state.realized if among is None else [a for a in among if a in state.realized]
-        rates = {a: r / (1 + SPECULATION_MARGIN if a[0] else 1) for a in arms
-                 if (cache or not a[1]) and (r := self.realized_rate(b, a)) is not None}
-        return max(rates, key=rates.get) if rates else None
+        scores = {a: s for a in arms if (cache or not a[1]) and (s := self._score(b, a)) is not None}
+        return max(scores, key=scores.get) if scores else None
 
     def _steps(self, arm: Arm, other: Arm) -> int:
         """How long to run ``arm`` when measuring it against ``other``: three probe lengths across
@@ -339,6 +338,7 @@ class SpeculationController:
         return self.probe_len * (3 if bool(arm[0]) != bool(other[0]) else 1)
 
     def _score(self, b: int, arm: Arm) -> float | None:
+        """``arm``'s realized rate, a speculative arm's discounted by ``SPECULATION_MARGIN``."""
         rate = self.realized_rate(b, arm)
         return None if rate is None else rate / (1 + SPECULATION_MARGIN if arm[0] else 1)
 
