@@ -143,6 +143,9 @@ class StructuredOutputs(_Body):
         return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}  # older vLLM names
+
+
 class _SamplingFields(_Body):
     model: Text | None = Field(None, description="Model id, as listed by GET /v1/models (optional: the served one).")
     max_tokens: StrictInt | None = Field(None, ge=0, le=2**31 - 1, description="Most tokens to generate (0: only with echo, the prompt alone).")
@@ -223,10 +226,7 @@ class _SamplingFields(_Body):
                 value = getattr(self, name)
                 if not any(value == a and type(value) is not bool or value is a for a in allowed):
                     raise ValueError(f"{name}={value!r} is not supported by specserve: {why}")
-        constraints = [name for name, value in (("response_format", self.response_format and self.response_format.constraint()),
-                                                ("structured_outputs", self.structured_outputs), ("guided_json", self.guided_json),
-                                                ("guided_regex", self.guided_regex), ("guided_choice", self.guided_choice),
-                                                ("guided_grammar", self.guided_grammar)) if value]
+        constraints = [name for name, value in self._constraint_fields() if value]
         if len(constraints) > 1:
             raise ValueError(f"only one constraint per request: got {', '.join(constraints)}")
         if self.prompt_logprobs and self.stream:
@@ -262,26 +262,27 @@ class _SamplingFields(_Body):
             structured_outputs=self.constraint(),
         )
 
+    def _constraint_fields(self) -> list[tuple[str, Any]]:
+        """(field, value) of each field that sets a constraint, in the order they take effect."""
+        fields = [("response_format", self.response_format.constraint() if self.response_format is not None else None),
+                  ("structured_outputs", self.structured_outputs)] + [(name, getattr(self, name)) for name in GUIDED]
+        return [(name, value) for name, value in fields if value is not None]
+
     @property
     def constraint_field(self) -> str | None:
         """The request field the constraint came from (for error messages)."""
         if getattr(self, "calls_tools", False):
             return "tools"
-        if self.response_format is not None and self.response_format.constraint():
-            return "response_format"
-        names = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-        return next((n for n in names if getattr(self, n) is not None), None)
+        return next((name for name, _ in self._constraint_fields()), None)
 
     def constraint(self) -> tuple[str, str] | None:
         """(kind, constraint) of ``SamplingParams.structured_outputs``, from whichever field set one."""
-        if self.response_format is not None and self.response_format.constraint():
-            return self.response_format.constraint()
-        if self.structured_outputs is not None:
-            return self.structured_outputs.constraint()
-        for kind, value in (("json", self.guided_json), ("regex", self.guided_regex), ("choice", self.guided_choice),
-                            ("grammar", self.guided_grammar)):
-            if value is not None:
-                return kind, value if isinstance(value, str) else json.dumps(value)
+        for name, value in self._constraint_fields():
+            if name == "response_format":
+                return value
+            if name == "structured_outputs":
+                return value.constraint()
+            return GUIDED[name], value if isinstance(value, str) else json.dumps(value)
         return None
 
     def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
