@@ -18,6 +18,7 @@ from typing import Callable
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
 from .devices import placement
+from .eagle import head_spec
 from .draft import NgramDrafter
 from .model_drafter import ModelDrafter
 from .draft_service import DraftService
@@ -52,6 +53,10 @@ def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     own = getattr(backend_class(d), "build_drafter", None)
     if own is not None:  # a backend that drafts with its own engine
         return own(cfg)
+    if d.backend == "hf" and head_spec(d.model) is not None:  # an EAGLE head: reads the target's hidden states
+        from .head_drafter import build_head_drafter
+
+        return build_head_drafter(cfg)
     backend = create_backend(d)
     fanout = spec.fanout if _ahead_policy(cfg, own_process) is not False else 0
     return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
@@ -125,9 +130,10 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
     core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
     if link is not None:
         core.pool = DraftPool(
-            discover=link.discover, connect=link.connect, hello=Hello(link.target_id, target.vocab_fingerprint(), link.hello_info),
+            discover=link.discover, connect=link.connect,
+            hello=Hello(link.target_id, target.vocab_fingerprint(), {**link.hello_info, **target.hidden_info()}),
             reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
-            background=link.background,
+            background=link.background, keep_hidden=target.keep_hidden,
         )
     return EngineLoop(core, name=name)
 
@@ -140,7 +146,9 @@ def draft_fingerprint(d: DraftConfig, drafter) -> dict | None:
     fp = getattr(backend, "vocab_fingerprint", None)
     if fp is not None:
         return fp()
-    return vocab_fingerprint(load_tokenizer(d.model, d.trust_remote_code), backend.vocab_size)
+    # A draft head emits the target's ids with the target's tokenizer (it ships none of its own).
+    source = d.model if getattr(drafter, "hidden_layers", None) is None else drafter.target_model
+    return vocab_fingerprint(load_tokenizer(source, d.trust_remote_code), backend.vocab_size)
 
 
 def build_draft_service(cfg: SpecserveConfig, draft_id: str = "draft", info: dict | None = None,

@@ -55,6 +55,7 @@ class DraftSeq:
     num_asked: int = 0  # draft tokens the target last asked for (the depth drafting ahead aims at)
     vocab_limit: int | None = None  # the target emits ids below this only (a wider draft LM head is masked to it)
     verdict: tuple[int, int, int] | None = None  # (base_len, num_accepted, last token) of the last result
+    hidden: list = field(default_factory=list)  # [(first position, [rows, width] tensor)]: target rows a head has not read
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +140,8 @@ class DraftSide:
             self.close(msg.request_id)
         seq = DraftSeq(msg.request_id, f"{self.namespace}{msg.request_id}", list(msg.token_ids), msg.temperature,
                        msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit)
+        if msg.hidden_states is not None:
+            seq.hidden.append((len(msg.token_ids) - 1 - msg.hidden_states.shape[0], msg.hidden_states))
         self.drafter.open(seq)
         self.seqs[msg.request_id] = seq
 
@@ -164,6 +167,8 @@ class DraftSide:
             self.drafter.rollback(seq, valid)
         del seq.token_ids[r.base_len :]
         seq.token_ids.extend(r.token_ids)
+        if r.hidden_states is not None:
+            seq.hidden.append((r.committed_len - 1 - r.hidden_states.shape[0], r.hidden_states))
         last = r.token_ids[-1] if r.token_ids else -1
         seq.verdict = (r.base_len, r.num_accepted, last) if len(r.token_ids) == r.num_accepted + 1 else None
 

@@ -47,6 +47,11 @@ def run_draft(args: argparse.Namespace) -> int:
     cfg = load_config(args, **extra)
     if cfg.draft is None:
         raise ValueError("specserve draft needs --draft MODEL (a model directory, hub id, demo:draft, or ngram)")
+    from .eagle import head_spec
+
+    if cfg.draft.drafter == "model" and cfg.draft.backend == "hf" and head_spec(cfg.draft.model) is not None:
+        raise ValueError(f"--draft {cfg.draft.model!r} is an EAGLE head: it needs the target's hidden states, which "
+                         "`vllm serve` does not send; run it with specserve's target (LLM(..., draft=HEAD) or specserve serve)")
     ch = cfg.channel
     token = resolve_token(ch.draft_token, ch.draft_token_file)
     loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")

@@ -52,6 +52,9 @@ class DraftService:
     def hello(self, conn: str, msg: Hello) -> HelloReply:
         try:
             check_vocab_compatible(msg.vocab, self.fingerprint)
+            check_head = getattr(self.drafter, "check_target", None)  # an EAGLE head: the target's hidden states fit it
+            if check_head is not None:
+                check_head({**msg.info, "vocab_size": (msg.vocab or {}).get("vocab_size")})
         except ValueError as exc:
             logger.warning("refusing target %s: %s", msg.target_id, exc)
             return HelloReply(self.draft_id, None, str(exc), self.info)
@@ -71,8 +74,10 @@ class DraftService:
             self.counters["num_connections"] += 1
         logger.info("target %s connected as %s: drafting ahead %s (%s)%s", msg.target_id, conn, "on" if ahead else "off", why,
                     f"; {widths[1]}" if widths[1] else "")
+        head = getattr(self.drafter, "hidden_layers", None)
         return HelloReply(self.draft_id, self.fingerprint, None, {**self.info, "draft_ahead": ahead, "draft_ahead_reason": why,
-                                                                  "vocab_note": widths[1]})
+                                                                  "vocab_note": widths[1],
+                                                                  **({"hidden_layers": list(head)} if head else {})})
 
     def _ahead_for(self, target_info: dict) -> tuple[bool, str]:
         """Whether this connection gets drafting ahead, and why (said once per connection)."""

@@ -115,7 +115,10 @@ class EngineCore(RequestQueue):
         if s is None:
             return None
         p = s.params
-        return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed)
+        hidden, s.open_hidden = s.open_hidden, None  # the prefill's rows go with the first open only
+        if hidden is not None and hidden.shape[0] != len(s.token_ids) - 1:
+            hidden = None  # (tokens were committed since: a resync; the head reads zeros for the gap)
+        return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed, hidden)
 
     # -- one step -----------------------------------------------------------------------------
     def _admit(self, failed: dict[str, Exception]) -> None:

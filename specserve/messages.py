@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, fields
 
 import msgpack
 import numpy as np
+import torch
 
-PROTOCOL_VERSION = 3  # 3: ProposeRequest.draft_misses and budget_s; Challenge; proofs; ProposeReply.refused
+PROTOCOL_VERSION = 4  # 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
 
 
 class ProtocolError(ValueError):
@@ -64,6 +65,9 @@ class OpenSeq:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0  # always set: the target draws one for requests without a seed
+    # [num_rows, width] in the target's dtype, or None: the target's rows for positions
+    # len(token_ids) - 1 - num_rows .. len(token_ids) - 2 (what an EAGLE head reads; None for other drafts)
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,10 @@ class VerifyResult:
     base_len: int  # committed length the draft's last block was built on
     num_accepted: int  # of that block's drafts kept; the draft's KV is valid up to base_len + num_accepted
     token_ids: list[int]  # [num_appended]: tokens committed after base_len
+    # [num_rows, width] in the target's dtype, or None: the target's rows for the committed positions
+    # committed_len - 1 - num_rows .. committed_len - 2 (the verify input and the accepted drafts; the last
+    # token goes as an id only: the target has not read it yet). An EAGLE head's input; None for other drafts.
+    hidden_states: torch.Tensor | None = None
 
     @property
     def committed_len(self) -> int:
@@ -82,7 +90,10 @@ class VerifyResult:
     def then(self, later: "VerifyResult") -> "VerifyResult":
         """Coalesce with the next result of the same sequence (the draft drafted nothing in between)."""
         assert later.base_len == self.committed_len and later.num_accepted == 0
-        return VerifyResult(self.request_id, self.base_len, self.num_accepted, self.token_ids + later.token_ids)
+        hidden = self.hidden_states
+        if later.hidden_states is not None:  # the rows are consecutive positions: they concatenate
+            hidden = later.hidden_states if hidden is None else torch.cat([hidden, later.hidden_states])
+        return VerifyResult(self.request_id, self.base_len, self.num_accepted, self.token_ids + later.token_ids, hidden)
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,9 @@ def _to_wire(msg) -> dict:
             value = _to_wire(value) if f.name == "stats" else [_to_wire(v) for v in value]
         elif isinstance(value, np.ndarray):
             value = {"dtype": value.dtype.str, "shape": list(value.shape), "data": value.tobytes()}
+        elif isinstance(value, torch.Tensor):  # hidden states, in their own dtype (bfloat16 has no numpy twin)
+            t = value.detach().to("cpu").contiguous()
+            value = {"dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape), "data": t.view(torch.uint8).numpy().tobytes()}
         body[f.name] = value
     return body
 
@@ -195,6 +209,23 @@ def _array(value) -> np.ndarray:
         return np.frombuffer(bytearray(value["data"]), dtype=dtype).reshape(value["shape"])
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"bad draft_probs array: {exc}") from None
+
+
+TENSOR_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def _tensor(value) -> torch.Tensor:
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+        raise ProtocolError("bad hidden_states: expected a map with dtype, shape and data")
+    dtype = TENSOR_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+    shape, data = value["shape"], value["data"]
+    if dtype is None or not isinstance(data, bytes) or not isinstance(shape, list) or len(shape) != 2 or not all(_is_int(n) and n >= 0 for n in shape):
+        raise ProtocolError(f"bad hidden_states: dtype must be one of {sorted(TENSOR_DTYPES)}, shape [rows, width], data bytes")
+    if len(data) != shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size():
+        raise ProtocolError(f"bad hidden_states: {len(data)} bytes do not hold a {shape} {value['dtype']} tensor")
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
 def _from_wire(cls, body):
@@ -216,6 +247,8 @@ def _from_wire(cls, body):
                 raise ProtocolError(f"{cls.__name__}.{name} must be a list")
         elif name == "draft_probs":
             value = None if value is None else _array(value)
+        elif name == "hidden_states":
+            value = None if value is None else _tensor(value)
         elif kind in _CHECKS and not _CHECKS[kind](value):
             raise ProtocolError(f"{cls.__name__}.{name} must be {kind}, got {type(value).__name__}")
         kwargs[name] = value

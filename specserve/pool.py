@@ -15,6 +15,7 @@ nothing of Ray: ``discover`` returns {name: address}, ``connect`` turns one into
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -72,8 +73,12 @@ class DraftPool:
         max_timeout_s: float = 10.0,
         refresh_s: float = 1.0,
         background: bool = True,
+        keep_hidden: Callable[[tuple[int, ...]], None] | None = None,
     ):
+        """``keep_hidden(layers)``: make the target keep these layers' rows for a draft head that connects."""
         self._discover, self._connect, self._hello, self._reopen = discover, connect, hello, reopen
+        self._keep_hidden = keep_hidden
+        self.hidden_layers: tuple[int, ...] | None = None  # what the target keeps for its draft heads
         self.min_timeout_s, self.max_timeout_s, self.refresh_s = min_timeout_s, max_timeout_s, refresh_s
         self.drafts: dict[str, _Draft] = {}
         self.assignment: dict[str, str] = {}  # request id -> draft name
@@ -81,6 +86,7 @@ class DraftPool:
         self.declined: set[str] = set()  # live sequences a draft refused (over its limits): target-only for their life
         self.refused: dict[str, str] = {}  # draft name -> why it refused this target (vocabulary)
         self._closed_tensor_bytes = 0  # bytes of probabilities received over links since dropped
+        self._closed_hidden_bytes = 0  # bytes of hidden-state rows sent to drafts since dropped
         self.committed: dict[str, int] = {}  # request id -> committed length, as the drafts will have heard it
         self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0,
@@ -151,7 +157,7 @@ class DraftPool:
             except queue.Empty:
                 return
             self._queued.discard(d.name)
-            if d.name in self.drafts:
+            if d.name in self.drafts or not self._hidden_ok(d):
                 d.endpoint.close()
                 continue
             self.drafts[d.name] = d
@@ -160,6 +166,28 @@ class DraftPool:
             for rid in sorted(self.orphans):
                 self._assign(rid)
             self.orphans.clear()
+
+    def _hidden_ok(self, d: _Draft) -> bool:
+        """A draft head reads the target's rows: the first one sets which; one that wants others is refused."""
+        layers = tuple(d.info.get("hidden_layers") or ())
+        if not layers or layers == self.hidden_layers:
+            return True
+        error = None
+        if self.hidden_layers is not None:
+            error = f"it reads the target's layers {list(layers)}, another draft head here reads {list(self.hidden_layers)}"
+        elif self._keep_hidden is None:
+            error = "this target cannot send hidden states to a draft head"
+        else:
+            try:
+                self._keep_hidden(layers)
+                self.hidden_layers = layers
+            except ValueError as exc:
+                error = str(exc)
+        if error is not None:
+            logger.error("draft %s refused: %s", d.name, error)
+            self.refused[d.name] = error
+            return False
+        return True
 
     # -- sequences ----------------------------------------------------------------------------
     def _least_loaded(self) -> _Draft | None:
@@ -210,6 +238,7 @@ class DraftPool:
             return
         self.counters["num_draft_failures"] += 1
         self._closed_tensor_bytes += getattr(d.endpoint, "tensor_bytes", 0)
+        self._closed_hidden_bytes += getattr(d.endpoint, "hidden_bytes", 0)
         logger.warning("draft %s unavailable (%s): %d sequences move to %s", d.name, exc, len(d.seqs),
                        ", ".join(self.drafts) or "target-only decoding")
         d.endpoint.close()
@@ -236,8 +265,11 @@ class DraftPool:
 
     def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int], live: list[str] | None = None,
                  draft_misses: bool = True, budget_s: float = 0.0) -> ProposeRequest:
-        req = ProposeRequest(step, d.opens, list(d.results.values()), d.closes, rids, ks, live, draft_misses,
-                             min(max(0.0, budget_s), 60.0))
+        opens, results = d.opens, list(d.results.values())
+        if self.hidden_layers is not None and not d.info.get("hidden_layers"):  # rows only to the drafts that read them
+            opens = [dataclasses.replace(o, hidden_states=None) for o in opens]
+            results = [dataclasses.replace(r, hidden_states=None) for r in results]
+        req = ProposeRequest(step, opens, results, d.closes, rids, ks, live, draft_misses, min(max(0.0, budget_s), 60.0))
         d.opens, d.results, d.closes = [], {}, []
         return req
 
@@ -378,6 +410,7 @@ class DraftPool:
             "refused": dict(self.refused),
             "num_orphans": len(self.orphans),
             "tensor_bytes": sum(getattr(d.endpoint, "tensor_bytes", 0) for d in list(self.drafts.values())) + self._closed_tensor_bytes,
+            "hidden_bytes": sum(getattr(d.endpoint, "hidden_bytes", 0) for d in list(self.drafts.values())) + self._closed_hidden_bytes,
             **self.counters,
         }
 

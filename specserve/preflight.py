@@ -14,6 +14,7 @@ import os
 import socket
 
 from .config import SpecserveConfig
+from .eagle import check_target, head_spec
 from .models import check_model_source, check_vocab_compatible, load_config, load_tokenizer, vocab_fingerprint, vocab_size_of
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,15 @@ def check_models(cfg: SpecserveConfig) -> None:
     if d is None or d.drafter != "model" or d.backend == "sim":
         return
     check_model_source(d.model, "draft")
+    spec = head_spec(d.model) if d.backend == "hf" else None
+    if spec is not None:  # an EAGLE head: it reads the target's hidden states and emits the target's ids
+        if t.backend != "hf":
+            raise ValueError(f"draft {d.model!r} is an EAGLE head: it needs target_backend 'hf' (specserve's engine), "
+                             f"which sends it the target's hidden states; got {t.backend!r}")
+        c = load_config(t.model, t.trust_remote_code)
+        c = c.get_text_config() if hasattr(c, "get_text_config") else c
+        check_target(spec, {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size})
+        return
     if _local(t.model) and _local(d.model):
         fingerprints = []
         for side in (t, d):

@@ -37,6 +37,7 @@ class TargetSeq:
     seed: int  # the request's seed, or one drawn at admission
     processor: SeqProcessor | None = None  # penalties, logit_bias, ... (None: nothing beyond temperature/top-k/top-p)
     prompt_logprobs: list | None = None  # computed by the prefill, sent with the first delta
+    open_hidden: torch.Tensor | None = None  # [len(prompt) - 1, width]: the prefill's rows for a draft head (sent once, at open)
 
 
 class TargetSide:
@@ -47,6 +48,7 @@ class TargetSide:
         self.seqs: dict[str, TargetSeq] = {}
         self.forward_s = 0.0  # time in verify forwards, for the engine's step breakdown
         self._grammars = None  # structured.Grammars, built with the first constrained request
+        self.hidden_layers: tuple[int, ...] | None = None  # the rows an EAGLE head reads (None: no head connected)
 
     @property
     def max_model_len(self) -> int:
@@ -84,6 +86,20 @@ class TargetSide:
             self._grammars = Grammars(self.tokenizer, self.vocab_size)
         return self._grammars
 
+    def hidden_info(self) -> dict:
+        """Width, depth and dtype of the hidden states, for a draft head's check at connect ({}: none exposed)."""
+        own = getattr(self.backend, "hidden_info", None)
+        return own() if own is not None else {}
+
+    def keep_hidden(self, layers: tuple[int, ...]) -> None:
+        """From now on, every forward keeps these layers' rows for the drafts (an EAGLE head connected)."""
+        if not self.hidden_info():
+            raise ValueError("this target backend does not expose hidden states (EAGLE heads need specserve's transformers target)")
+        self.hidden_layers = self.backend.capture_layers = tuple(layers)
+
+    def _captured(self) -> torch.Tensor | None:
+        return getattr(self.backend, "captured", None) if self.hidden_layers else None
+
     def vocab_fingerprint(self) -> dict:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
         return own() if own is not None else vocab_fingerprint(self.tokenizer, self.vocab_size)
@@ -110,7 +126,10 @@ class TargetSide:
                 for rid, _, _, _ in requests:
                     self.close(rid)
                 raise
+            captured = self._captured()  # [rows, width, hidden], right-aligned like the logits
             for row, ((rid, tokens, params), n) in enumerate(zip(prefill, num_logits)):
+                if captured is not None:
+                    self.seqs[rid].open_hidden = captured[row, captured.shape[1] - len(tokens):].clone()
                 if params.prompt_logprobs is not None:
                     prompt = tokens + [self.seqs[rid].token_ids[-1]]
                     self.seqs[rid].prompt_logprobs = [None] + logprob_entries(logits[row, -n:], prompt[1:], params.prompt_logprobs, ranks=True)
@@ -154,6 +173,7 @@ class TargetSide:
             [s.request_id for s in seqs], [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], [len(d) + 1 for d in drafts]
         )  # [batch_size, width, vocab], right-aligned
         self.forward_s += time.perf_counter() - start
+        captured = self._captured()  # [batch_size, width, hidden], right-aligned: taken before the logits move
         batch_size, width, vocab = logits.shape
         k = width - 1
         device = logits.device
@@ -189,7 +209,8 @@ class TargetSide:
         deltas, results, failed = [], [], {}
         for row, (s, d, a, nxt) in enumerate(zip(seqs, drafts, num_accepted, next_token_ids)):
             try:
-                deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback, raw.get(row))
+                hidden = captured[row, width - 1 - len(d):] if captured is not None else None  # [len(d) + 1, hidden]
+                deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback, raw.get(row), hidden)
             except Exception as exc:  # one sequence's failure is its own (the engine closes it on both sides)
                 logger.exception("request %s failed while committing its tokens", s.request_id)
                 failed[s.request_id] = exc
@@ -198,7 +219,8 @@ class TargetSide:
             results.append(deltas_result[1])
         return deltas, results, failed
 
-    def _commit(self, s: TargetSeq, drafts: list[int], num_accepted: int, next_token: int, fallback: bool, raw_logits=None):
+    def _commit(self, s: TargetSeq, drafts: list[int], num_accepted: int, next_token: int, fallback: bool, raw_logits=None,
+                hidden=None):
         base_len = len(s.token_ids)
         kept = s.stopper.append(drafts[:num_accepted] + [next_token])
         s.token_ids.extend(kept)
@@ -210,7 +232,9 @@ class TargetSide:
         delta = StepDelta(s.request_id, kept, s.stopper.text_delta(), finished, s.stopper.finish_reason,
                           s.stopper.stop_reason, len(drafts), num_accepted, fallback, logprobs, s.prompt_logprobs)
         s.prompt_logprobs = None  # (sent once)
-        return delta, VerifyResult(s.request_id, base_len, min(num_accepted, len(kept)), kept)
+        # The rows of the positions now committed and read: the verify input and the kept drafts.
+        rows = hidden[: len(kept)].clone() if hidden is not None else None  # (a copy: not the whole batch's tensor)
+        return delta, VerifyResult(s.request_id, base_len, min(num_accepted, len(kept)), kept, rows)
 
     @property
     def num_seqs(self) -> int:

@@ -34,12 +34,13 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
 import msgpack
 
 from .draft_service import DraftService
-from .messages import Challenge, Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode, encode
+from .messages import TENSOR_DTYPES, Challenge, Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode, encode
 from .secret import new_challenge, prove, verify
 
 logger = logging.getLogger(__name__)
@@ -82,13 +83,41 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[int, 
 
 
 class TensorLink(Protocol):
-    """Where draft probabilities travel when not inline: one packed [rows, vocab] tensor per reply."""
+    """Where tensors travel when not inline: per reply one packed [rows, vocab] float32 tensor of draft
+    probabilities, per request one packed [rows, width] tensor of the target's hidden states (a head's)."""
 
     def send(self, tensor) -> None: ...
 
-    def recv(self, rows: int, vocab: int): ...
+    def recv(self, rows: int, width: int, dtype=None): ...
 
     def close(self) -> None: ...
+
+
+class BoundedLink:
+    """A ``TensorLink`` whose transfers have a deadline: a collective send or receive waits for its
+    peer, and a peer that vanished mid-transfer would otherwise hold this thread for the backend's
+    own timeout (gloo: 30 min). Past the deadline the transfer raises ``TimeoutError`` and the
+    caller drops the connection; the stuck transfer is abandoned on its helper thread."""
+
+    def __init__(self, link: TensorLink, timeout_s: float = 10.0):
+        self.link, self.timeout_s = link, timeout_s
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="specserve-tensor-link")
+
+    def _run(self, fn, *args):
+        try:
+            return self._io.submit(fn, *args).result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"tensor link transfer took over {self.timeout_s:g}s") from None
+
+    def send(self, tensor) -> None:
+        self._run(self.link.send, tensor)
+
+    def recv(self, rows: int, width: int, dtype=None):
+        return self._run(self.link.recv, rows, width, dtype)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=False)
+        self.link.close()
 
 
 def strip_probs(reply: ProposeReply):
@@ -112,6 +141,40 @@ def attach_probs(reply: ProposeReply, layout: dict, packed) -> ProposeReply:
     return dataclasses.replace(reply, blocks=blocks)
 
 
+def strip_hidden(req: ProposeRequest):
+    """(request without hidden rows, layout, packed [rows, width] tensor in their dtype) or (req, None, None)."""
+    import torch
+
+    items = [*req.opens, *req.results]
+    present = [m.hidden_states for m in items if m.hidden_states is not None]
+    if not present or not sum(h.shape[0] for h in present):
+        return req, None, None
+    packed = torch.cat(present)
+    layout = {"rows": [-1 if m.hidden_states is None else int(m.hidden_states.shape[0]) for m in items],
+              "width": int(packed.shape[1]), "dtype": str(packed.dtype).split(".")[-1]}
+    opens = [dataclasses.replace(o, hidden_states=None) for o in req.opens]
+    results = [dataclasses.replace(r, hidden_states=None) for r in req.results]
+    return dataclasses.replace(req, opens=opens, results=results), layout, packed
+
+
+def _hidden_layout(layout, req: ProposeRequest) -> tuple[list[int], int, str]:
+    """A request's hidden-row layout, checked (ProtocolError) before any tensor is received for it."""
+    ok = isinstance(layout, dict) and isinstance(layout.get("rows"), list) and isinstance(layout.get("width"), int)
+    rows = layout.get("rows") if ok else None
+    if not ok or len(rows) != len(req.opens) + len(req.results) or not all(isinstance(n, int) and n >= -1 for n in rows) \
+            or not isinstance(layout.get("dtype"), str) or layout["dtype"] not in TENSOR_DTYPES or not 0 < layout["width"] <= 1 << 20:
+        raise ProtocolError("bad hidden-state layout")
+    return rows, layout["width"], layout["dtype"]
+
+
+def attach_hidden(req: ProposeRequest, rows: list[int], packed) -> ProposeRequest:
+    items, start = [], 0
+    for m, n in zip([*req.opens, *req.results], rows):
+        items.append(dataclasses.replace(m, hidden_states=packed[start:start + n]) if n >= 0 else m)
+        start += max(n, 0)
+    return dataclasses.replace(req, opens=items[:len(req.opens)], results=items[len(req.opens):])
+
+
 def parse_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -128,7 +191,8 @@ class SocketEndpoint:
         self.delay_s = delay_ms / 1000.0
         self.link_factory = link_factory  # (group name) -> TensorLink of rank 0; None: probabilities inline
         self.link: TensorLink | None = None
-        self.tensor_bytes = 0
+        self.tensor_bytes = 0  # draft probabilities received over the link
+        self.hidden_bytes = 0  # hidden-state rows sent (over the link, or inline)
         self.token = token  # the shared secret (secret.py); None: this target has none to prove
         try:
             self.sock = socket.create_connection(parse_address(address), timeout=connect_timeout_s)
@@ -169,7 +233,7 @@ class SocketEndpoint:
         try:
             self.sock.settimeout(timeout_s)
             send_frame(self.sock, msgpack.packb({"group": group}), LINK_SETUP)
-            self.link = self.link_factory(group)
+            self.link = BoundedLink(self.link_factory(group))
             kind, data = recv_frame(self.sock)
             answer = msgpack.unpackb(data) if kind == LINK_SETUP else {"error": "no link setup answer"}
         except (OSError, ProtocolError, RuntimeError) as exc:
@@ -181,10 +245,21 @@ class SocketEndpoint:
         """``awaited`` false: nobody waits on this message (pushed deltas), so the emulated delay is not slept."""
         if self.delay_s and awaited:
             time.sleep(self.delay_s)
+        layout = packed = None
+        if isinstance(msg, ProposeRequest):
+            bare, layout, packed = strip_hidden(msg)
+            if packed is not None:
+                self.hidden_bytes += packed.numel() * packed.element_size()
+                if self.link is not None:
+                    msg = bare
         try:
             self.sock.settimeout(10.0)
-            send_frame(self.sock, encode(msg))
-        except OSError as exc:
+            if packed is not None and self.link is not None:
+                send_frame(self.sock, msgpack.packb([layout, encode(msg)]), MESSAGE_WITH_TENSOR)
+                self.link.send(packed)
+            else:
+                send_frame(self.sock, encode(msg))
+        except (OSError, RuntimeError) as exc:
             raise self._call_failed(exc) from None
 
     def poll(self) -> bool:
@@ -379,7 +454,8 @@ class DraftServer:
         limit = self.max_frame_bytes if c.proven else HELLO_FRAME_BYTES
         while len(c.buffer) >= _HEADER.size and sock in self._conns:
             size, kind = _HEADER.unpack_from(c.buffer)
-            if size > limit or kind not in (MESSAGE, LINK_SETUP):
+            tensor_ok = kind == MESSAGE_WITH_TENSOR and sock in self.links  # a request with hidden rows on the link
+            if size > limit or not (kind in (MESSAGE, LINK_SETUP) or tensor_ok):
                 logger.warning("dropping connection %s: a %d-byte frame of kind %d (limit %d bytes)", c.name, size, kind, limit)
                 self._drop(sock)
                 return []
@@ -408,11 +484,24 @@ class DraftServer:
             if kind == LINK_SETUP:
                 self._setup_link(sock, msgpack.unpackb(data))
                 return False
-            msg = decode(data)
+            link = self.links.get(sock)
+            if kind == MESSAGE_WITH_TENSOR:  # a request whose hidden-state rows follow over the link
+                if link is None:
+                    raise ProtocolError("a tensor frame on a connection without a tensor link")
+                try:
+                    layout, body = msgpack.unpackb(data)
+                except Exception:
+                    raise ProtocolError("malformed tensor frame") from None
+                msg = decode(body)
+                if not isinstance(msg, ProposeRequest):
+                    raise ProtocolError(f"unexpected {type(msg).__name__}")
+                rows, width, dtype = _hidden_layout(layout, msg)
+                msg = attach_hidden(msg, rows, link.recv(sum(max(n, 0) for n in rows), width, TENSOR_DTYPES[dtype]))
+            else:
+                msg = decode(data)
             if not isinstance(msg, ProposeRequest):
                 raise ProtocolError(f"unexpected {type(msg).__name__}")
             reply = self.service.handle(c.name, msg)
-            link = self.links.get(sock)
             layout = packed = None
             if link is not None:
                 reply, layout, packed = strip_probs(reply)
@@ -455,7 +544,7 @@ class DraftServer:
             self._send(sock, msgpack.packb({"error": "this draft offers no tensor link"}), LINK_SETUP)
             return
         try:
-            self.links[sock] = self.link_factory(request["group"])
+            self.links[sock] = BoundedLink(self.link_factory(request["group"]))
             self._send(sock, msgpack.packb({"ok": True}), LINK_SETUP)
         except Exception as exc:  # the target falls back to reconnecting (and says why)
             logger.warning("tensor link %s failed: %s", request["group"], exc)

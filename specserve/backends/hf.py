@@ -66,11 +66,14 @@ class HFBackend:
         self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
         if device_map is None:
             self.model.to(device)
-        self.model.eval()
+        self._adopt(self.model, self.model.get_output_embeddings().weight.shape[0], model_max_len(self.model.config), max_model_len)
+
+    def _adopt(self, model, vocab_size: int, limit: int, max_model_len: int | None) -> None:
+        """Serve ``model`` (anything called like a causal LM with a 4-D mask and a cache; a draft head too)."""
+        self.model = model.eval()
         self.device = next(self.model.parameters()).device
         self.dtype = next(self.model.parameters()).dtype
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        limit = model_max_len(self.model.config)
+        self.vocab_size = vocab_size
         if max_model_len is not None and max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {limit} tokens")
         self.max_model_len = max_model_len or limit
@@ -78,12 +81,20 @@ class HFBackend:
         self._row: dict[str, int] = {}  # seq_id -> pool row; live rows are 0..n-1
         self._seq_at_row: list[str] = []
         self._length: list[int] = []  # committed (cached) length per row
+        self.capture_layers: tuple[int, ...] | None = None  # hidden states to keep from each forward (an EAGLE head's)
+        self.captured: torch.Tensor | None = None  # [batch_size, width, len(capture_layers) * hidden] of the last forward
+        self.last_hidden: torch.Tensor | None = None  # [batch_size, num_logits, hidden]: a head's own rows, last forward
 
     @classmethod
     def from_side(cls, side, max_model_len: int | None = None) -> "HFBackend":
         """Build from a ``config.SideConfig``; ``backend_options`` pass through as keyword arguments."""
         return cls(side.model, dtype=side.dtype, device=side.device, device_map=side.device_map,
                    trust_remote_code=side.trust_remote_code, max_model_len=max_model_len, **side.backend_options)
+
+    def hidden_info(self) -> dict:
+        """What a draft head checks against (the target's hello): width, depth, dtype of the hidden states."""
+        c = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        return {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "hidden_dtype": str(self.dtype).split(".")[-1]}
 
     # -- sequence bookkeeping -------------------------------------------------------------
     def add(self, seq_id: str) -> None:
@@ -120,7 +131,8 @@ class HFBackend:
 
     # -- compute --------------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, seq_ids, token_ids, num_logits) -> torch.Tensor:
+    def forward(self, seq_ids, token_ids, num_logits, hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``hidden`` (a draft head's input): per sequence [num_new_i, hidden] rows beside its tokens."""
         assert len(seq_ids) == len(token_ids) == len(num_logits) > 0
         # Sort by row so a full batch reads the pool as a view, not a gather.
         order = sorted(range(len(seq_ids)), key=lambda i: self._row[seq_ids[i]])
@@ -141,12 +153,22 @@ class HFBackend:
         slot_t = torch.tensor(slots, device=dev)
         zeros = torch.zeros_like(slot_t)
         max_slot = max(self._length[r] for r in rows) + width - 1  # every row's slots end at start + width - 1
-        logits = self._run(rows, input_ids, position_ids, slot_t, slot_t + 1, zeros, zeros, zeros, max(num_logits), max_slot)
+        rows_in = None
+        if hidden is not None:  # left-padded like the tokens
+            rows_in = hidden[0].new_zeros(len(order), width, hidden[0].shape[-1])
+            for pos, i in enumerate(order):
+                rows_in[pos, width - hidden[i].shape[0]:] = hidden[i]
+        logits = self._run(rows, input_ids, position_ids, slot_t, slot_t + 1, zeros, zeros, zeros, max(num_logits), max_slot,
+                           rows_in)
         for pos, i in enumerate(order):  # commit only after the forward succeeded
             self._length[rows[pos]] += len(token_ids[i])
         inverse = [0] * len(order)
         for pos, i in enumerate(order):
             inverse[i] = pos
+        if self.captured is not None:
+            self.captured = self.captured[inverse]
+        if self.last_hidden is not None:
+            self.last_hidden = self.last_hidden[inverse]
         return logits[inverse]
 
     @torch.no_grad()
@@ -180,7 +202,8 @@ class HFBackend:
         return self._run(rows, input_ids, position_ids, slot_t, torch.tensor(prefix, device=dev),
                          torch.tensor(lane_start, device=dev), stride, slot_t, num_lanes, max(s[-1] for s in slots))
 
-    def _run(self, rows, input_ids, position_ids, slots, prefix_len, lane_start, lane_stride, lane_end, keep, max_slot):
+    def _run(self, rows, input_ids, position_ids, slots, prefix_len, lane_start, lane_stride, lane_end, keep, max_slot,
+             hidden_states=None):
         """One model call. Query q of row r may see slot s when s < prefix_len[r, q], or when
         s is on its lane: lane_start <= s <= lane_end and (s - lane_start) % lane_stride == 0."""
         dev = self.device
@@ -193,6 +216,9 @@ class HFBackend:
             on_lane = (off >= 0) & (s <= lane_end[..., None]) & (off % lane_stride.clamp_min(1)[..., None] == 0)
             allowed |= on_lane & lanes[..., None]
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=dev).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        extra = {"hidden_states": hidden_states} if hidden_states is not None else {}
+        if self.capture_layers:
+            extra["output_hidden_states"] = True
         out = self.model(
             input_ids=torch.tensor(input_ids, device=dev),
             position_ids=torch.tensor(position_ids, device=dev),
@@ -200,6 +226,11 @@ class HFBackend:
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=keep,
+            **extra,
         )
+        # HF's hidden_states[i] is the input of layer i (vLLM's aux layer id i); the last is the final, normed output.
+        self.captured = (torch.cat([out.hidden_states[i] for i in self.capture_layers], dim=-1)
+                         if self.capture_layers else None)
+        self.last_hidden = getattr(out, "hidden", None)
         logits = out.logits[:, -keep:]
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -2,7 +2,8 @@
 
 The target (rank 0) names a fresh group when it connects; both ends join it (the rendezvous
 goes through Ray, so both must be Ray workers), then every reply's draft probabilities are
-one ``send``/``recv`` of a packed ``[rows, vocab]`` float32 tensor. ``gloo`` runs on CPUs,
+one ``send``/``recv`` of a packed ``[rows, vocab]`` float32 tensor, and every request's hidden
+states (for a draft head) one packed ``[rows, width]`` tensor in the target's dtype. ``gloo`` runs on CPUs,
 ``nccl`` between two GPUs (Ray builds it on cupy's NCCL bindings; two ranks on one GPU are
 refused). The same code path serves both; the message channel stays on TCP.
 """
@@ -28,10 +29,10 @@ class CollectiveLink:
     def send(self, tensor) -> None:
         self._col.send(tensor.to(self.device).contiguous(), 1 - self.rank, self.group)
 
-    def recv(self, rows: int, vocab: int):
+    def recv(self, rows: int, width: int, dtype=None):
         import torch
 
-        buf = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
+        buf = torch.empty(rows, width, dtype=dtype or torch.float32, device=self.device)
         self._col.recv(buf, 1 - self.rank, self.group)
         return buf
 

@@ -13,7 +13,7 @@ from specserve import LLM, SamplingParams
 from specserve.distributed import PlacementError
 from specserve.reference import reference_generate
 
-from ..conftest import wait_until
+from ..conftest import make_model, wait_until
 from .conftest import node_labels
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(18)]  # 18 prompts, 1..23 tokens
@@ -187,3 +187,62 @@ def test_probabilities_over_a_gloo_collective_link(ray_cluster, tiny_pair):
         llm.shutdown()
     with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64", adaptive=False) as local:
         assert remote == [o.token_ids for o in local.generate(PROMPTS[:6], params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    """A 4-layer target, a random EAGLE-3 head for it, and the target's own greedy outputs."""
+    from ..heads import make_eagle3_head
+
+    root = tmp_path_factory.mktemp("remote_head")
+    target = make_model(root / "target", seed=0, tokenizer=True, hidden=64, layers=4).double().eval()
+    head = make_eagle3_head(root / "head", str(root / "target"), layer_ids=[1, 2, 3])
+    return {"target": str(root / "target"), "head": head,
+            "reference": [reference_generate(target, p, GREEDY) for p in PROMPTS],
+            "long_reference": [reference_generate(target, p, LONG) for p in PROMPTS]}
+
+
+def head_llm(eagle_pair, **kw):
+    kw = {"draft_min_timeout_s": 10.0, "draft_timeout_s": 60.0, "num_speculative_tokens": 3, "adaptive": False, **kw}
+    return LLM(eagle_pair["target"], draft=eagle_pair["head"], dtype="float64", ray=True, target_num_cpus=0.25,
+               draft_num_cpus=0.25, **kw)
+
+
+@pytest.mark.parametrize("tensors", ["inline", "collective"])
+def test_a_remote_eagle_head_reads_the_targets_rows_over_the_channel(ray_cluster, eagle_pair, tensors):
+    """An EAGLE-3 head in its own actor: the target's rows travel per request (inline in the frames,
+    or as one packed tensor over the gloo link) in the target's dtype; greedy output is the target's."""
+    llm = head_llm(eagle_pair, channel_tensors=tensors, collective_backend="gloo")
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        drafts = llm.metrics()["drafts"]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == eagle_pair["reference"]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0 and drafts["num_draft_failures"] == 0
+    # Each committed position (but a sequence's last) goes at most once: 3 layers x 64 wide, float64.
+    committed = sum(len(p) + len(o.token_ids) - 1 for p, o in zip(PROMPTS, outs))
+    assert 0 < drafts["hidden_bytes"] <= committed * 3 * 64 * 8
+    assert drafts["hidden_bytes"] % (3 * 64 * 8) == 0
+
+
+def test_a_killed_head_costs_speed_never_a_request(ray_cluster, eagle_pair):
+    """The head's actor dies mid-generation: every request finishes exact (target-only meanwhile), and
+    the restarted head is re-attached: the sequences re-open without their past rows and it drafts again."""
+    import ray
+
+    llm = head_llm(eagle_pair, num_speculative_tokens=2, channel_delay_ms=50)
+    try:
+        engine = llm._engine
+        refs = [engine.target.generate.remote(f"kill-{i}", p, LONG.to_dict()) for i, p in enumerate(PROMPTS)]
+        wait_until(lambda: llm.metrics()["num_drafts"] >= 2 * len(PROMPTS), 120, 0.05, "every request drafted twice")
+        ray.kill(engine.drafts[0], no_restart=False)
+        outs = ray.get(refs, timeout=300)
+        assert [o["token_ids"] for o in outs] == eagle_pair["long_reference"]
+        assert llm.metrics()["drafts"]["num_draft_failures"] == 1
+        wait_until(lambda: llm.metrics()["drafts"]["num_drafts_up"], 120, 0.3, "the restarted head reconnected")
+        out = llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in out] == eagle_pair["reference"][:4]
+        assert all(o.metrics.num_draft_tokens > 0 for o in out)
+    finally:
+        llm.shutdown()

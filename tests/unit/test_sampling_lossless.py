@@ -145,3 +145,20 @@ def test_sampled_with_penalties_and_biases_follows_the_processed_target(small_vo
     plain = exact_distributions(target, 1.0, 0, 1.0)
     assert (p2 - plain[1]).abs().max() > 0.05  # the processing matters: the plain distribution would fail here
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+
+
+def test_sampled_output_with_an_eagle_head_follows_the_target(small_vocab_pair, tmp_path):
+    """A head's sampled drafts (with its probabilities) are verified like a draft model's: tokens 1-3
+    follow the target's distribution, and the head's drafts are both accepted and rejected."""
+    from ..heads import make_eagle3_head
+
+    target, _ = small_vocab_pair
+    head = make_eagle3_head(tmp_path / "head", target, layer_ids=[0, 1], seed=5)
+    with LLM(target, draft=head, num_speculative_tokens=3, dtype="float64", adaptive=False) as llm:
+        params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(NUM_SAMPLES)]
+        outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+    p1, p2, p3 = exact_distributions(target, 1.0, 0, 1.0)
+    for pos, expected in enumerate((p1, p2, p3)):
+        assert chi2_pvalue([o.token_ids[pos] for o in outs], expected) > 1e-4, pos
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs) / sum(o.metrics.num_draft_tokens for o in outs)
+    assert 0.0 < accepted < 0.9

@@ -1,0 +1,272 @@
+"""EAGLE-1 and EAGLE-3 draft heads: recognised from a checkpoint's config.json, built from transformers' Llama parts.
+
+A head drafts from the target's own hidden states: at position t it reads the target's
+row for t and the embedding of token t + 1 and predicts token t + 2; its next step reads
+its own output row in place of the target's. ``head_spec`` reads vLLM's native layouts
+(``LlamaForCausalLMEagle3`` / ``Eagle3LlamaForCausalLM``: ``midlayer``, ``fc`` over the
+target's aux layers, its own norm and LM head over a reduced vocabulary with ``d2t``;
+``EagleLlamaForCausalLM``: ``fc`` over cat(embedding, hidden), one decoder layer) and the
+``speculators`` format (``speculators_model_type: eagle3``). Weights the head shares with
+its target (embedding, LM head) are read from the target's safetensors by name, those
+tensors only. Knows nothing of drafting or the wire.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+EAGLE3_ARCHS = {"LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM"}
+EAGLE_ARCHS = {"EagleLlamaForCausalLM", "LlamaForCausalLMEagle"}
+FINAL = -1  # a head that reads the target's final (normed) hidden state (EAGLE-1)
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    kind: str  # "eagle3" or "eagle"
+    config: dict  # the Llama layer's config (hidden_size, heads, rope, ...)
+    vocab_size: int  # the target's vocabulary (ids the head emits)
+    draft_vocab_size: int  # the head's LM head width (EAGLE-3 may reduce it; d2t maps back)
+    target_hidden_size: int
+    layer_ids: tuple[int, ...] | None  # the target's aux layers (EAGLE-3; None: vLLM's default for the target's depth)
+    norm_before_residual: bool
+    verifier: str | None  # the target the head was trained for (speculators format), if it says
+
+
+def _read_config(path: str) -> dict | None:
+    file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f)
+
+
+def head_spec(path: str) -> HeadSpec | None:
+    """The head a checkpoint directory holds, or None when it is not an EAGLE head (a plain LM)."""
+    cfg = _read_config(path)
+    if cfg is None:
+        return None
+    archs = set(cfg.get("architectures") or [])
+    if cfg.get("speculators_model_type") == "eagle3":
+        layer = dict(cfg.get("transformer_layer_config") or {})
+        verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+        kind, norm_before_residual, name = "eagle3", bool(cfg.get("norm_before_residual", True)), verifier.get("name_or_path")
+        extra = cfg
+    elif cfg.get("speculators_model_type"):
+        raise ValueError(f"draft {path!r}: speculators_model_type {cfg['speculators_model_type']!r} is not supported "
+                         "(supported: eagle3)")
+    elif archs & EAGLE3_ARCHS:
+        layer, kind, norm_before_residual, name, extra = cfg, "eagle3", bool(cfg.get("norm_before_residual", False)), None, cfg
+    elif archs & EAGLE_ARCHS:
+        layer, kind, norm_before_residual, name, extra = cfg, "eagle", False, None, cfg
+    else:
+        return None
+    for unsupported in ("norm_before_fc", "fc_norm"):
+        if extra.get(unsupported) or (extra.get("eagle_config") or {}).get(unsupported):
+            raise ValueError(f"draft {path!r}: {unsupported}=true EAGLE-3 heads are not supported yet")
+    layer_ids = extra.get("eagle_aux_hidden_state_layer_ids") or (extra.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    vocab = int(layer.get("vocab_size") or extra.get("vocab_size") or 0)
+    hidden = int(layer["hidden_size"])
+    return HeadSpec(kind, layer, vocab, int(extra.get("draft_vocab_size") or vocab),
+                    int(extra.get("target_hidden_size") or hidden), tuple(int(i) for i in layer_ids) if layer_ids else None,
+                    norm_before_residual, name)
+
+
+def target_layers(spec: HeadSpec, num_target_layers: int) -> tuple[int, ...]:
+    """The target rows the head reads: EAGLE-3's aux layers (vLLM's default (2, N//2, N-3) unless
+    the head names them), or the final hidden state (EAGLE-1)."""
+    if spec.kind == "eagle":
+        return (FINAL,)
+    if spec.layer_ids is not None:
+        return spec.layer_ids
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+def check_target(spec: HeadSpec, target: dict) -> None:
+    """``ValueError`` naming the field when the head cannot read this target (``target``: the target's
+    hello: hidden_size, num_hidden_layers, vocab_size)."""
+    hidden, depth, vocab = target.get("hidden_size"), target.get("num_hidden_layers"), target.get("vocab_size")
+    if hidden is None or depth is None:
+        raise ValueError("the target does not expose hidden states (an EAGLE head needs specserve's transformers target)")
+    if spec.target_hidden_size != hidden:
+        raise ValueError(f"target_hidden_size: the head reads {spec.target_hidden_size}-wide hidden states, the target's "
+                         f"hidden_size is {hidden}")
+    layers = target_layers(spec, depth)
+    if spec.kind == "eagle3" and (len(set(layers)) != len(layers) or not all(0 <= i < depth for i in layers)):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids: {list(layers)} must be distinct layers of the target's "
+                         f"{depth} (0..{depth - 1}); set it in the head's config.json")
+    if vocab is not None and spec.vocab_size != vocab:
+        raise ValueError(f"vocab_size: the head emits ids of a {spec.vocab_size}-token vocabulary, the target's has {vocab}")
+
+
+# -- modules -----------------------------------------------------------------------------------
+def _llama_config(spec: HeadSpec):
+    from transformers import LlamaConfig
+
+    keys = {k: v for k, v in spec.config.items() if k not in ("architectures", "auto_map", "model_type")}
+    keys["num_hidden_layers"] = 1
+    keys["vocab_size"] = spec.vocab_size
+    cfg = LlamaConfig(**keys)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class _Head(nn.Module):
+    """Shared by both kinds: ``forward`` takes H-wide rows (``combine`` the target's first) and
+    returns logits over the target's vocabulary and the rows the next step reads."""
+
+    def __init__(self, spec: HeadSpec):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.spec = spec
+        self.config = _llama_config(spec)
+        h = self.config.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.rotary = LlamaRotaryEmbedding(self.config)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:  # [n, width of the target rows] -> [n, H]
+        return rows
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(out)
+        if self.spec.draft_vocab_size == self.spec.vocab_size:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.spec.vocab_size), float("-inf"))
+        full[..., torch.arange(self.spec.draft_vocab_size, device=logits.device) + self.d2t] = logits
+        return full
+
+
+class Eagle3Head(_Head):
+    def __init__(self, spec: HeadSpec, num_aux: int):
+        super().__init__(spec)
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+        c, h = self.config, self.config.hidden_size
+        self.fc = nn.Linear(spec.target_hidden_size * num_aux, h, bias=False)
+        attn = LlamaAttention(c, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):  # the layer reads cat(embedding, hidden): 2H wide
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+        self.self_attn = attn
+        self.mlp = LlamaMLP(c)
+        self.input_layernorm = LlamaRMSNorm(h, eps=c.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(h, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(h, eps=c.rms_norm_eps)
+        self.norm = LlamaRMSNorm(h, eps=c.rms_norm_eps)
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.fc(rows)
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values, hidden_states, logits_to_keep=1, **_):
+        embeds = self.input_layernorm(self.embed_tokens(input_ids))
+        if self.spec.norm_before_residual:
+            hidden = residual = self.hidden_norm(hidden_states)
+        else:
+            residual, hidden = hidden_states, self.hidden_norm(hidden_states)
+        position_embeddings = self.rotary(embeds, position_ids)
+        attn = self.self_attn(torch.cat([embeds, hidden], dim=-1), position_embeddings, attention_mask, past_key_values)[0]
+        residual = attn + residual
+        prenorm = self.mlp(self.post_attention_layernorm(residual)) + residual
+        out = self.norm(prenorm[:, -logits_to_keep:])
+        return SimpleNamespace(logits=self._logits(out), hidden=prenorm[:, -logits_to_keep:])
+
+
+class EagleHead(_Head):
+    def __init__(self, spec: HeadSpec):
+        super().__init__(spec)
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        h = self.config.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = LlamaDecoderLayer(self.config, layer_idx=0)
+        self.layer.input_layernorm = nn.Identity()  # EAGLE-1's first layer has none
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values, hidden_states, logits_to_keep=1, **_):
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
+        position_embeddings = self.rotary(x, position_ids)
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                         position_embeddings=position_embeddings)
+        out = out[0] if isinstance(out, tuple) else out
+        out = out[:, -logits_to_keep:]
+        return SimpleNamespace(logits=self._logits(out), hidden=out)
+
+
+# -- loading -----------------------------------------------------------------------------------
+def _local_name(name: str, kind: str) -> str:
+    """A checkpoint's tensor name (vLLM native or speculators) as this module names it."""
+    for prefix in ("model.", "midlayer.", "layers.0."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    name = name.replace("draft_id_to_target_id", "d2t")
+    if kind == "eagle" and name.split(".")[0] in ("self_attn", "mlp", "post_attention_layernorm", "input_layernorm"):
+        name = "layer." + name
+    return name
+
+
+def _safetensors(path: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(os.path.expanduser(path), "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path!r} holds no .safetensors weights")
+    return files
+
+
+def _shared_from_target(target: str, names: dict[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """The tensors a head shares with its target, read by name from the target's safetensors only."""
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for file in _safetensors(target):
+        with safe_open(file, framework="pt") as f:
+            keys = set(f.keys())
+            for local, candidates in names.items():
+                for key in candidates:
+                    if local not in found and key in keys:
+                        found[local] = f.get_tensor(key)
+    return found
+
+
+def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> _Head:
+    """The head in ``path``; embedding (and EAGLE-1's LM head) from ``target`` when the head has none."""
+    from safetensors.torch import load_file
+
+    spec = head_spec(path)
+    if spec is None:
+        raise ValueError(f"draft {path!r} is not an EAGLE head (config.json names no EAGLE architecture)")
+    layers = target_layers(spec, num_target_layers)
+    head = Eagle3Head(spec, len(layers)) if spec.kind == "eagle3" else EagleHead(spec)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors(path):
+        for name, t in load_file(file).items():
+            if name != "t2d":
+                weights[_local_name(name, spec.kind)] = t
+    wanted = {"embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight")}
+    if spec.kind == "eagle":  # EAGLE-1 decodes with the target's LM head (tied: its embedding)
+        wanted["lm_head.weight"] = ("lm_head.weight", "model.embed_tokens.weight")
+    missing = {k: v for k, v in wanted.items() if k not in weights}
+    if missing:
+        weights.update(_shared_from_target(target, missing))
+    own = dict(head.named_parameters()) | dict(head.named_buffers())
+    own = {k: v for k, v in own.items() if not k.startswith("rotary.")}
+    if spec.draft_vocab_size == spec.vocab_size:
+        own.pop("d2t")  # the identity map (and unused)
+    absent = sorted(set(own) - set(weights))
+    if absent:
+        raise ValueError(f"draft {path!r}: weights missing for {absent[:6]} (not in the head nor in the target {target!r})")
+    for name, t in weights.items():
+        if name not in own:
+            continue  # e.g. a rotary cache or t2d
+        if tuple(t.shape) != tuple(own[name].shape):
+            raise ValueError(f"draft {path!r}: {name} has shape {tuple(t.shape)}, the config implies {tuple(own[name].shape)}")
+        with torch.no_grad():
+            own[name].copy_(t)
+    head.to(device=device, dtype=dtype)  # (floating tensors only: d2t stays int64)
+    return head.eval()
