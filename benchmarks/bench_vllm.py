@@ -31,6 +31,8 @@ everything to results.json, a plot to speedup_vs_batch.png.
 
     python -m benchmarks.bench_vllm                          # demo and realistic pairs, batch 1, 8, 32 (~1 h on 2 cores)
     python -m benchmarks.bench_vllm --quick                  # tiny sizes, every system once (~10 min)
+    python -m benchmarks.bench_vllm --pairs demo-eagle       # the demo target's EAGLE-3 head: vLLM's colocated EAGLE-3
+                                                             # vs the head on the draft node fed by specserve's engine
 """
 
 from __future__ import annotations
@@ -114,13 +116,15 @@ class VLLMRunner:
 
 
 class SpecserveRunner:
-    """specserve with a vLLM target on the target node and a transformers draft on the draft node."""
+    """specserve with a vLLM target (or, ``own_engine``, specserve's transformers engine: what feeds an
+    EAGLE head the target's hidden states) on the target node and a transformers draft on the draft node."""
 
-    def __init__(self, target: str, draft: str, options: dict, vllm_options: dict):
+    def __init__(self, target: str, draft: str, options: dict, vllm_options: dict, own_engine: bool = False):
         from specserve import LLM
 
-        self.llm = LLM(target, draft=draft if options.get("num_speculative_tokens", 1) else None, ray=True,
-                       target_backend="vllm", target_backend_options=vllm_options,
+        backend = {"dtype": "float32"} if own_engine else {"target_backend": "vllm", "target_backend_options": vllm_options}
+        self.own_engine = own_engine
+        self.llm = LLM(target, draft=draft if options.get("num_speculative_tokens", 1) else None, ray=True, **backend,
                        target_num_cpus=0.25, draft_num_cpus=0.25, cpu_threads=1, runtime_env={"env_vars": THREAD_ENV}, **options)
 
     def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
@@ -136,6 +140,12 @@ class SpecserveRunner:
                 outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
         after = self.llm.metrics()
+        if self.own_engine:  # specserve's engine names its counters otherwise
+            for m in (before, after):
+                tm = m["timing"]
+                tm["verify_s"], tm["specserve_s"] = tm["target_forward_s"], tm["wall_s"] - tm["target_forward_s"] - tm["draft_wait_s"]
+                m["num_proposals"], m["num_verify_steps"] = m["num_speculative_steps"], m["num_steps"]
+                m["hidden_bytes"] = (m.get("drafts") or {}).get("hidden_bytes", 0)
         d = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731  (no draft: no proposer counters)
         t = {key: after["timing"].get(key, 0.0) - before["timing"].get(key, 0.0) for key in after["timing"]}
         steps, spec, verify = max(1, d("num_steps")), max(1, d("num_proposals")), max(1, d("num_verify_steps"))
@@ -145,7 +155,7 @@ class SpecserveRunner:
                 "num_blocks": d("num_blocks"), "num_cache_hits": d("num_cache_hits"), "num_speculative_steps": d("num_proposals"),
                 "verify_ms": t["verify_s"] / verify * 1e3, "draft_wait_ms": t["draft_wait_s"] / spec * 1e3,
                 "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3, "overhead_ms": t["specserve_s"] / steps * 1e3,
-                "draft_compute_s": t["draft_compute_s"],
+                "draft_compute_s": t["draft_compute_s"], "hidden_bytes": d("hidden_bytes"),
                 "k": after.get("speculation", {}).get("k"), "realized": after.get("speculation", {}).get("realized_tokens_per_s"), "draft_ahead": _draft_ahead(after)}
 
     def close(self) -> None:
@@ -157,15 +167,24 @@ def _draft_ahead(metrics: dict):
     return next((d.get("draft_ahead") for d in drafts.values()), None)
 
 
-def systems(args, target: str, draft: str) -> dict[str, callable]:
-    """Name -> constructor, in the order they load."""
+def systems(args, target: str, draft: str, head: bool = False) -> dict[str, callable]:
+    """Name -> constructor, in the order they load. ``head``: the draft is an EAGLE head (vLLM's
+    colocated row is its EAGLE-3; specserve's rows run specserve's engine, which sends the head the
+    target's rows, and the same engine target-only)."""
     options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
     plain = {"model": target, "dtype": "float32", "seed": 0, "disable_log_stats": False, **options}
     k = args.k
     out = {"vllm target-only": lambda: VLLMRunner(plain),
            f"vllm colocated k={k}": lambda: VLLMRunner({**plain, "speculative_config": {
-               "method": "draft_model", "model": draft, "num_speculative_tokens": k}})}
+               "method": "eagle3" if head else "draft_model", "model": draft, "num_speculative_tokens": k}})}
     common = {"num_speculative_tokens": k, "draft_min_timeout_s": 5.0}
+    if head:
+        for delay in args.delays_ms:
+            out[f"specserve head d={delay:g}ms"] = lambda delay=delay: SpecserveRunner(
+                target, draft, {**common, "channel_delay_ms": delay}, options, own_engine=True)
+        out[f"specserve head k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options, own_engine=True)
+        out["specserve own target-only"] = lambda: SpecserveRunner(target, draft, {"num_speculative_tokens": 0}, options, own_engine=True)
+        return out
     for delay in args.delays_ms:
         out[f"specserve d={delay:g}ms"] = lambda delay=delay: SpecserveRunner(target, draft, {**common, "channel_delay_ms": delay}, options)
     if not args.quick:
@@ -182,7 +201,7 @@ def bench_pair(name: str, target: str, draft: str, args, log) -> list[dict]:
     prompts, _ = heldout_prompts(target, max(count(b) for b in args.batch_sizes), args.prompt_tokens)
     runners, records = {}, []
     try:
-        for sys_name, make in systems(args, target, draft).items():
+        for sys_name, make in systems(args, target, draft, head=name.endswith("eagle")).items():
             if args.systems and sys_name not in args.systems:
                 continue
             log(f"{name}: loading {sys_name}")
@@ -234,6 +253,9 @@ def summarize(records: list[dict], k: int) -> list[dict]:
                 row.update({key: med(key) for key in ("verify_ms", "draft_wait_ms", "link_ms", "overhead_ms")})
                 row["hit_rate"] = sum(r["num_cache_hits"] for r in rs) / blocks if blocks else None
                 row["draft_ahead"], row["k_last"] = rs[-1].get("draft_ahead"), rs[-1].get("k")
+                generated = sum(sum(map(len, r["token_ids"])) for r in rs)
+                if any(r.get("hidden_bytes") for r in rs):  # a head's input: the target's rows on the wire
+                    row["hidden_bytes_per_token"] = sum(r["hidden_bytes"] for r in rs) / generated
                 row["step_ms"] = statistics.median(r["wall_s"] / max(1, r["num_steps"]) * 1e3 for r in rs)
                 if col_step_ms and sum(r["num_speculative_steps"] for r in rs):
                     # This system's step with the draft's own compute hidden (the link stays): the ideal.
@@ -252,15 +274,16 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("| pair | batch | system | tok/s (min-max) | vs colocated | vs target-only | acceptance | tokens/step | "
-            "ms/step: step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|"]
+            "ms/step: step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact | hidden B/token |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|---:|"]
     for r in rows:
         split = (f"{_fmt(r['step_ms'], '.1f')} / {_fmt(r.get('verify_ms'), '.1f')} / {_fmt(r.get('draft_wait_ms'), '.1f')} / "
                  f"{_fmt(r.get('link_ms'), '.2f')} / {_fmt(r.get('overhead_ms'), '.2f')}")
         lines.append(f"| {r['pair']} | {r['batch']} | {r['system']} | {r['tok_s']:.1f} ({r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f}) | "
                      f"{_fmt(r['vs_colocated'])}x | {_fmt(r['vs_target_only'])}x | {_fmt(r['acceptance'])} | "
                      f"{_fmt(r['tokens_per_step'])} | {split} | {_fmt(r.get('hit_rate'))} | {_fmt(r.get('draft_ahead'))} | "
-                     f"{_fmt(r.get('ideal'))}x | {_fmt(r.get('of_ideal'), '.0%')} | {_fmt(r['exact'])} |")
+                     f"{_fmt(r.get('ideal'))}x | {_fmt(r.get('of_ideal'), '.0%')} | {_fmt(r['exact'])} | "
+                     f"{_fmt(r.get('hidden_bytes_per_token'), '.0f')} |")
     return "\n".join(lines)
 
 
@@ -291,7 +314,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: the demo pair, batch 1 and 8, one repeat, fewer systems")
-    p.add_argument("--pairs", default=None, help="demo, realistic [demo,realistic; quick: demo]")
+    p.add_argument("--pairs", default=None, help="demo, realistic, demo-eagle (the demo target and its EAGLE-3 head) "
+                                                 "[demo,realistic; quick: demo]")
     p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py (default: built into --out)")
     p.add_argument("--batch-sizes", default=None, help="concurrent requests per wave [1,8,32; quick: 1,8]")
     p.add_argument("--delays-ms", default=None, help="emulated one-way link delays for specserve [0,1,5; quick: 0]")
@@ -323,13 +347,15 @@ def main(argv=None) -> dict:
     for name in args.pairs:
         if name == "demo":
             pairs[name] = (resolve_model("demo:target"), resolve_model("demo:draft"))
+        elif name == "demo-eagle":
+            pairs[name] = (resolve_model("demo:target"), resolve_model("demo:eagle"))
         elif name == "realistic":
             pair = Path(args.realistic_pair or out / "realistic_pair")
             if not (pair / "target" / "config.json").exists():
                 load_example("make_realistic_pair").build_pair(pair)
             pairs[name] = (str(pair / "target"), str(pair / "draft"))
         else:
-            p.error(f"unknown pair {name!r}: demo or realistic")
+            p.error(f"unknown pair {name!r}: demo, realistic or demo-eagle")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.time()
     records = []

@@ -9,7 +9,8 @@ own row of draft j - 1 and attends to the target-fed positions and its own chain
 native layout (``LlamaForCausalLMEagle3``: ``midlayer.*``, ``fc``, ``norm``, ``lm_head``; the
 embedding stays the target's) in float16, with its config and card. CPU only, seeded.
 
-    python examples/train_demo_eagle.py --out specserve/demo_models/eagle
+    python examples/train_demo_eagle.py --out specserve/demo_models/eagle          # ~25 min on 1 core
+    python examples/train_demo_eagle.py --out specserve/demo_models/eagle --measure-only
 """
 
 from __future__ import annotations
@@ -118,6 +119,35 @@ def save(head: Eagle3Head, cfg: dict, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def measure(head_dir: str, ks=(2, 3, 4), num_prompts: int = 16, prompt_tokens: int = 64, max_tokens: int = 64) -> dict:
+    """Greedy acceptance on held-out prompts (``measure_demo_acceptance``'s), the head against the demo
+    draft model at the same k, adaptive k off; every output checked against target-only."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from measure_demo_acceptance import heldout_prompts
+
+    from specserve import LLM, SamplingParams
+
+    target = resolve_model("demo:target")
+    prompts = heldout_prompts(AutoTokenizer.from_pretrained(target), num_prompts, prompt_tokens, max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with LLM(target, draft=None, dtype="float32") as llm:
+        reference = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    out = {}
+    for name, draft in (("eagle3 head", head_dir), ("demo draft model", resolve_model("demo:draft"))):
+        for k in ks:
+            with LLM(target, draft=draft, num_speculative_tokens=k, adaptive=False, dtype="float32") as llm:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.token_ids for o in outs] == reference, "speculative output differs from target-only"
+            drafts, drafted, accepted = (sum(getattr(o.metrics, f) for o in outs)
+                                         for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"))
+            out[f"{name} k={k}"] = {"acceptance_rate": round(accepted / drafted, 3),
+                                    "mean_acceptance_length": round(1 + accepted / drafts, 3)}
+            print(f"[measure] {name} k={k}: {out[f'{name} k={k}']}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="specserve/demo_models/eagle")
@@ -128,7 +158,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--ttt-steps", type=int, default=3, help="drafts unrolled per training window (1-4)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--measure-only", action="store_true", help="measure the head already in --out (no training)")
     args = p.parse_args()
+    if args.measure_only:
+        summary_file = Path(args.out) / "training_summary.json"
+        summary = json.loads(summary_file.read_text())
+        summary["heldout_acceptance"] = measure(args.out)
+        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+        return
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     target_dir = resolve_model("demo:target")
@@ -146,6 +183,7 @@ def main() -> None:
     head.embed_tokens.weight.requires_grad_(False)
     summary = {"args": vars(args), "train_tokens": len(stream), **train(head, target, stream, args)}
     save(head, cfg, Path(args.out))
+    summary["heldout_acceptance"] = measure(args.out)
     (Path(args.out) / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"saved to {args.out}: {summary}")
 

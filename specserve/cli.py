@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the shipped demo pair on a local 2-node Ray cluster, over HTTP; prints text, "
                           "speculation stats and tokens/s against target-only")
     demo.add_argument("--once", action="store_true", help="exit after the demo requests instead of serving")
+    demo.add_argument("--draft", default="demo:draft", choices=("demo:draft", "demo:eagle"),
+                      help="the demo's draft: the small draft model, or the EAGLE-3 head trained for the target (default: demo:draft)")
     demo.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
     demo.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     demo.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step, the most when adaptive (default: 4)")

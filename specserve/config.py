@@ -20,16 +20,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_ROLE_LABEL = "specserve.io/role"
-DEMO_ALIASES = ("demo:target", "demo:draft")  # the pair shipped in specserve/demo_models
+DEMO_ALIASES = ("demo:target", "demo:draft", "demo:eagle")  # the pair (and the target's EAGLE-3 head) in specserve/demo_models
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
 
 def resolve_model(model: str) -> str:
-    """Map ``demo:target`` / ``demo:draft`` to the shipped demo pair; other names pass through."""
+    """Map ``demo:target`` / ``demo:draft`` / ``demo:eagle`` to the shipped demo models; other names pass through."""
     if model in DEMO_ALIASES:
-        from .demo_models import DRAFT_PATH, TARGET_PATH
+        from .demo_models import DRAFT_PATH, EAGLE_PATH, TARGET_PATH
 
-        path = TARGET_PATH if model == "demo:target" else DRAFT_PATH
+        path = {"demo:target": TARGET_PATH, "demo:draft": DRAFT_PATH, "demo:eagle": EAGLE_PATH}[model]
         if not (path / "config.json").exists():
             raise ValueError(f"{model!r}: the demo model pair is missing from this install ({path})")
         return str(path)

@@ -33,12 +33,12 @@ def _step(i: int, n: int, msg: str) -> float:
     return time.perf_counter()
 
 
-def _app_config(draft: bool, k: int) -> dict:
+def _app_config(draft: str | None, k: int) -> dict:
     side = {"num_cpus": 0.5}
     cfg = {"target": {"model": "demo:target", **side}, "server": {"model_name": "demo"},
            "speculation": {"num_speculative_tokens": k}}
     if draft:
-        cfg["draft"] = {"model": "demo:draft", **side}
+        cfg["draft"] = {"model": draft, **side}
     return cfg
 
 
@@ -64,10 +64,10 @@ def run_demo(args) -> int:
         base = f"http://{args.host}:{args.port}"
         t0 = _step(2, steps, "loading the demo target on node 'target' and the demo draft on node 'draft'")
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(_app_config(True, args.num_speculative_tokens)), name="specserve", route_prefix="/")
+        serve.run(build_app(_app_config(getattr(args, "draft", "demo:draft"), args.num_speculative_tokens)), name="specserve", route_prefix="/")
         print(f"      speculative app up in {time.perf_counter() - t0:.1f}s", flush=True)
         t0 = _step(3, steps, "loading a target-only baseline app (same target, no draft) for comparison")
-        serve.run(build_app(_app_config(False, 0)), name="baseline", route_prefix="/baseline")
+        serve.run(build_app(_app_config(None, 0)), name="baseline", route_prefix="/baseline")
         print(f"      baseline app up in {time.perf_counter() - t0:.1f}s", flush=True)
 
         _step(4, steps, f"sending {len(DEMO_PROMPTS)} completions (greedy, max_tokens={args.max_tokens}) to both")
