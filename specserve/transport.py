@@ -59,7 +59,15 @@ class DraftUnavailable(ConnectionError):
 
 
 def send_frame(sock: socket.socket, data: bytes, kind: int = MESSAGE) -> None:
-    sock.sendmsg([_HEADER.pack(len(data), kind), data])
+    header = _HEADER.pack(len(data), kind)
+    sent = sock.sendmsg([header, data])
+    # sendmsg may send part of a large frame (a full socket buffer); the rest follows in order, or
+    # the peer would wait for bytes that never come (and the target time the draft out).
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent < len(header) + len(data):
+        sock.sendall(memoryview(data)[sent - len(header):])
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

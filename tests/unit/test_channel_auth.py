@@ -155,3 +155,26 @@ def test_sequences_over_the_connection_limit_decode_target_only(tiny_pair, refer
         assert server.service.num_seqs == 0  # all closed at the end
     finally:
         server.close()
+
+
+def test_a_frame_larger_than_the_socket_buffer_arrives_whole():
+    """sendmsg may send part of a large frame; the rest must follow (else the peer waits forever
+    and the draft is timed out: seen with EAGLE heads' prompt rows at batch 32)."""
+    import socket
+    import threading
+
+    from specserve.transport import MESSAGE_WITH_TENSOR, recv_frame, send_frame
+
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    payload = bytes(range(256)) * 40_000  # ~10 MB, far over both buffers
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(frame=recv_frame(b)))
+    reader.start()
+    a.settimeout(30.0)
+    send_frame(a, payload, MESSAGE_WITH_TENSOR)
+    reader.join(30.0)
+    a.close()
+    b.close()
+    assert got["frame"] == (MESSAGE_WITH_TENSOR, payload)
