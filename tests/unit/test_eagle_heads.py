@@ -183,3 +183,36 @@ def test_coalesced_results_concatenate_their_rows():
     both = a.then(b)
     assert both.committed_len == 14 and both.hidden_states.shape == (4, 4)
     assert torch.equal(both.hidden_states[3], torch.zeros(4))
+
+
+def test_rows_leave_a_request_as_one_packed_tensor_and_come_back_in_place():
+    from specserve.transport import _hidden_layout, attach_hidden, strip_hidden
+
+    rows = torch.randn(7, 6).to(torch.bfloat16)
+    req = ProposeRequest(3, [OpenSeq("a", [1, 2, 3, 4], hidden_states=rows[:3]), OpenSeq("b", [5])],
+                         [VerifyResult("c", 4, 2, [6, 7, 8], hidden_states=rows[3:6]), VerifyResult("d", 2, 0, [9], hidden_states=rows[6:])],
+                         [], ["a"], [2])
+    bare, layout, packed = strip_hidden(req)
+    assert packed.dtype == torch.bfloat16 and torch.equal(packed, rows)
+    assert all(m.hidden_states is None for m in [*bare.opens, *bare.results])
+    back = attach_hidden(decode(encode(bare)), *_hidden_layout(layout, bare)[:1], packed)
+    assert back.opens[1].hidden_states is None
+    for a, b in zip([*req.opens, *req.results], [*back.opens, *back.results]):
+        assert (a.hidden_states is None and b.hidden_states is None) or torch.equal(a.hidden_states, b.hidden_states)
+
+
+@pytest.mark.parametrize("layout", [
+    {"rows": [3, -1, 3], "width": 6, "dtype": "bfloat16"},  # one entry short
+    {"rows": [3, -2, 3, 1], "width": 6, "dtype": "bfloat16"},  # negative count
+    {"rows": [3, -1, 3, 1], "width": 6, "dtype": "int64"},  # not a float dtype
+    {"rows": [3, -1, 3, 1], "width": 0, "dtype": "bfloat16"},
+    {"rows": [3, -1, 3, 1], "width": 6, "dtype": ["bfloat16"]},
+    ["rows"],
+])
+def test_a_malformed_row_layout_is_a_protocol_error(layout):
+    from specserve.messages import ProtocolError
+    from specserve.transport import _hidden_layout
+
+    req = ProposeRequest(3, [OpenSeq("a", [1, 2]), OpenSeq("b", [5])], [VerifyResult("c", 4, 2, [6]), VerifyResult("d", 2, 0, [9])])
+    with pytest.raises(ProtocolError):
+        _hidden_layout(layout, req)
