@@ -269,4 +269,4 @@ def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype
         with torch.no_grad():
             own[name].copy_(t)
     head.to(device=device, dtype=dtype)  # (floating tensors only: d2t stays int64)
-    return head.eval()
+    return head.eval().requires_grad_(False)  # inference only: no autograd graph behind the rows it combines

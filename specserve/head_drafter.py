@@ -82,7 +82,15 @@ class HeadDrafter(ModelDrafter):
         if work:
             group = [seqs[i] for i, _ in work]
             feeds = [self._feed(s) for s in group]
-            logits, rows = self._forward(group, [t for t, _ in feeds], [h for _, h in feeds])
+            # Long feeds (a new sequence's prompt) go in a forward of their own, so the common
+            # one- or two-token rows are not padded to a prompt's width.
+            first: list = [None] * len(group)
+            for part in ([j for j, f in enumerate(feeds) if len(f[0]) > 2], [j for j, f in enumerate(feeds) if len(f[0]) <= 2]):
+                if part:
+                    out = self._forward([group[j] for j in part], [feeds[j][0] for j in part], [feeds[j][1] for j in part])
+                    for n, j in enumerate(part):
+                        first[j] = (out[0][n], out[1][n])
+            logits, rows = torch.stack([f[0] for f in first]), torch.stack([f[1] for f in first])
             ks = [k for _, k in work]
             while True:
                 positions = [s.block_base + len(s.block) for s in group]
