@@ -255,14 +255,13 @@ class SocketEndpoint:
             time.sleep(self.delay_s)
         layout = packed = None
         if isinstance(msg, ProposeRequest):
-            bare, layout, packed = strip_hidden(msg)
-            if packed is not None:
-                self.hidden_bytes += packed.numel() * packed.element_size()
-                if self.link is not None:
-                    msg = bare
+            rows = [m.hidden_states for m in (*msg.opens, *msg.results) if m.hidden_states is not None]
+            self.hidden_bytes += sum(h.numel() * h.element_size() for h in rows)
+            if rows and self.link is not None:  # packed for the link; inline rows go as they are
+                msg, layout, packed = strip_hidden(msg)
         try:
             self.sock.settimeout(10.0)
-            if packed is not None and self.link is not None:
+            if packed is not None:
                 send_frame(self.sock, msgpack.packb([layout, encode(msg)]), MESSAGE_WITH_TENSOR)
                 self.link.send(packed)
             else:
