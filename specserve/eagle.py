@@ -88,6 +88,12 @@ def target_layers(spec: HeadSpec, num_target_layers: int) -> tuple[int, ...]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 
+def target_info(config) -> dict:
+    """What ``check_target`` reads, from the target's transformers config (as its hello says it)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "vocab_size": getattr(c, "vocab_size", None)}
+
+
 def check_target(spec: HeadSpec, target: dict) -> None:
     """``ValueError`` naming the field when the head cannot read this target (``target``: the target's
     hello: hidden_size, num_hidden_layers, vocab_size)."""

@@ -20,7 +20,7 @@ import torch
 
 from .backends.hf import HFBackend, model_max_len, resolve_dtype
 from .draft import DraftSeq, Proposal
-from .eagle import check_target, head_spec, load_head, target_layers
+from .eagle import check_target, head_spec, load_head, target_info, target_layers
 from .model_drafter import ModelDrafter
 
 
@@ -147,11 +147,9 @@ def build_head_drafter(cfg) -> HeadDrafter:
 
     d, t = cfg.draft, cfg.target
     spec = head_spec(d.model)
-    target_config = load_config(t.model, t.trust_remote_code)
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    layers = target_layers(spec, text.num_hidden_layers)
-    check_target(spec, {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers,
-                        "vocab_size": getattr(text, "vocab_size", None)})
-    head = load_head(d.model, t.model, text.num_hidden_layers, resolve_dtype(d.dtype) if d.dtype != "auto" else torch.float32,
+    target = target_info(load_config(t.model, t.trust_remote_code))
+    check_target(spec, target)
+    layers = target_layers(spec, target["num_hidden_layers"])
+    head = load_head(d.model, t.model, target["num_hidden_layers"], resolve_dtype(d.dtype) if d.dtype != "auto" else torch.float32,
                      d.device)
     return HeadDrafter(HeadBackend(head), spec, layers, t.model, cfg.speculation.draft_probs)

@@ -14,7 +14,7 @@ import os
 import socket
 
 from .config import SpecserveConfig
-from .eagle import check_target, head_spec
+from .eagle import check_target, head_spec, target_info
 from .models import check_model_source, check_vocab_compatible, load_config, load_tokenizer, vocab_fingerprint, vocab_size_of
 
 logger = logging.getLogger(__name__)
@@ -37,9 +37,7 @@ def check_models(cfg: SpecserveConfig) -> None:
         if t.backend != "hf":
             raise ValueError(f"draft {d.model!r} is an EAGLE head: it needs target_backend 'hf' (specserve's engine), "
                              f"which sends it the target's hidden states; got {t.backend!r}")
-        c = load_config(t.model, t.trust_remote_code)
-        c = c.get_text_config() if hasattr(c, "get_text_config") else c
-        check_target(spec, {"hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers, "vocab_size": c.vocab_size})
+        check_target(spec, target_info(load_config(t.model, t.trust_remote_code)))
         return
     if _local(t.model) and _local(d.model):
         fingerprints = []
