@@ -9,7 +9,9 @@ greedy request of ``--max-tokens`` tokens through:
   replica, no HTTP);
 - ``http``: the ``openai`` client with ``stream=True`` against the same app (Serve's proxy first).
 
-Each step down adds one hop, so the differences between rows are what that hop costs. Target-only
+The last two run twice: with the router streaming from the target over a direct connection (the
+default, ``server.direct_streams``) and through a Serve handle call. Each step down adds one hop,
+so the differences between rows are what that hop costs. Target-only
 by default (the path's cost, not speculation's); ``--draft`` adds the draft to every row. Prints a
 table and writes ``--out``/http_path.json.
 
@@ -87,44 +89,47 @@ def main(argv=None) -> int:
         rows["ray actor"] = _stats(run_llm(llm, params, args.requests))
         llm.shutdown()
         serve.start(http_options={"host": "127.0.0.1", "port": args.port}, logging_config={"log_level": "WARNING"})
-        config = {"target": {"model": args.target, **side}}
-        if args.draft:
-            config["draft"] = {"model": args.draft, **side}
-        serve.run(build_app(config), name="bench-http", route_prefix="/")
-        client = specserve.connect("bench-http")
+        for direct in (True, False):  # the router's streams from the target: direct TCP (the default), or Serve's handle
+            how = "direct stream" if direct else "Serve handle hop"
+            config = {"target": {"model": args.target, **side}, "server": {"direct_streams": direct}}
+            if args.draft:
+                config["draft"] = {"model": args.draft, **side}
+            serve.run(build_app(config), name="bench-http", route_prefix="/")
+            client = specserve.connect("bench-http")
 
-        async def handle_stream():
-            async for d in client.stream(PROMPT, params):
-                yield bool(d.token_ids)
+            async def handle_stream():
+                async for d in client.stream(PROMPT, params):
+                    yield bool(d.token_ids)
 
-        async def handle_all(n):
-            return [await _timed(handle_stream()) for _ in range(n)]
+            async def handle_all(n):
+                return [await _timed(handle_stream()) for _ in range(n)]
 
-        asyncio.run(handle_all(3))
-        rows["serve handle"] = _stats(asyncio.run(handle_all(args.requests)))
-        async def http_stream(http):
-            chunks = await http.completions.create(model=client.model, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0,
-                                                   stream=True, extra_body={"ignore_eos": True})
-            async for c in chunks:
-                yield bool(c.choices and c.choices[0].text)
+            asyncio.run(handle_all(3))
+            rows[f"serve handle, {how}"] = _stats(asyncio.run(handle_all(args.requests)))
 
-        async def http_all(n):  # (a client per event loop: its connections belong to the loop)
-            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0,
-                                          timeout=120) as http:
-                return [await _timed(http_stream(http)) for _ in range(n)]
+            async def http_stream(http):
+                chunks = await http.completions.create(model=client.model, prompt=PROMPT, max_tokens=args.max_tokens,
+                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+                async for c in chunks:
+                    yield bool(c.choices and c.choices[0].text)
 
-        asyncio.run(http_all(3))
-        rows["http"] = _stats(asyncio.run(http_all(args.requests)))
+            async def http_all(n):  # (a client per event loop: its connections belong to the loop)
+                async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0,
+                                              timeout=120) as http:
+                    return [await _timed(http_stream(http)) for _ in range(n)]
+
+            asyncio.run(http_all(3))
+            rows[f"http, {how}"] = _stats(asyncio.run(http_all(args.requests)))
+            serve.delete("bench-http")
     finally:
         serve.shutdown()
         ray.shutdown()
     lines = [f"{args.target}{' + ' + args.draft if args.draft else ''}, {args.requests} requests of {args.max_tokens} tokens, "
-             "one at a time (medians)", "", "| path | TTFT ms | TTFT p90 ms | + over the row above | TPOT ms |", "|---|---:|---:|---:|---:|"]
-    previous = None
+             "one at a time (medians)", "", "| path | TTFT ms | TTFT p90 ms | + over in-process | TPOT ms |", "|---|---:|---:|---:|---:|"]
+    base = rows["in-process"]["ttft_ms"]
     for name, r in rows.items():
-        extra = f"{r['ttft_ms'] - previous:+.1f}" if previous is not None else "-"
+        extra = f"{r['ttft_ms'] - base:+.1f}" if name != "in-process" else "-"
         lines.append(f"| {name} | {r['ttft_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {extra} | {r['tpot_ms']:.2f} |")
-        previous = r["ttft_ms"]
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -45,12 +45,36 @@ def configure_worker_logging() -> None:
         log.propagate = False
 
 
+def normal_priority() -> int | None:
+    """Bring this worker to niceness 0 (Ray starts its workers at 15, below its own daemons): every
+    thread so far, so every thread they start too (Linux keeps a niceness per thread). Returns the
+    niceness it had, or None when it was 0 already or may not be lowered (no CAP_SYS_NICE)."""
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+    except (OSError, AttributeError):  # no priorities here (Windows)
+        return None
+    if before <= 0:
+        return None
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+        for tid in tids:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except (OSError, ValueError) as exc:
+        logger.info("keeping Ray's worker niceness %d: %s", before, exc)
+        return None
+    return before
+
+
 def node_info() -> dict:
     import ray
 
     ctx = ray.get_runtime_context()
+    try:
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    except (OSError, AttributeError):
+        niceness = None
     return {"node_id": ctx.get_node_id(), "pid": os.getpid(), "actor_id": ctx.get_actor_id() or "",
-            "ip": ray.util.get_node_ip_address()}
+            "ip": ray.util.get_node_ip_address(), "niceness": niceness}
 
 
 class Registry:
@@ -131,6 +155,8 @@ class DraftWorker:
 
         configure_worker_logging()
         self.config = SpecserveConfig.load(config)
+        if self.config.cluster.normal_priority:
+            normal_priority()
         set_cpu_threads(self.config, in_process=False)
         info = node_info()
         self.name = name or f"draft-{info['actor_id'][:12] or os.getpid()}"
@@ -191,6 +217,8 @@ class TargetWorker:
 
         configure_worker_logging()
         self.config = cfg = SpecserveConfig.load(config)
+        if cfg.cluster.normal_priority:
+            normal_priority()
         set_cpu_threads(cfg, in_process=False)
         info = node_info()
         self.name = name or f"target-{info['actor_id'][:12] or os.getpid()}"
@@ -217,6 +245,12 @@ class TargetWorker:
                      "vocab": target.vocab_fingerprint(), "load_s": time.perf_counter() - started,
                      "has_tokenizer": target.tokenizer is not None,
                      "has_chat_template": bool(getattr(target.tokenizer, "chat_template", None))}
+        self.streams = None
+        if registry is not None and cfg.server.direct_streams and cfg.server.stream_token:  # Serve: the router streams directly
+            from ..serve.streams import StreamServer
+
+            self.streams = StreamServer(self.loop, cfg.server.stream_token, info["ip"], self.name,
+                                        max_streams=cfg.engine.max_num_seqs * 4, max_request_bytes=cfg.server.max_request_bytes)
         self._announcer = _Announcer(registry, "target", self.name, self.metrics) if registry is not None else None
         logger.info("target %s ready (loaded in %.1fs)", self.name, self.info["load_s"])
 
@@ -288,6 +322,9 @@ class TargetWorker:
         m["name"] = self.name
         m["has_draft"] = self.loop.core.pool is not None
         m["draft_up"] = bool(self.loop.core.pool is not None and self.loop.core.pool.has_drafts)
+        if self.streams is not None:
+            m["stream_address"] = self.streams.address
+            m["direct_streams"] = self.streams.stats()
         return m
 
     def num_seqs(self) -> int:
@@ -301,6 +338,9 @@ class TargetWorker:
         announcer = getattr(self, "_announcer", None)
         if announcer is not None:
             announcer.stop()
+        streams = getattr(self, "streams", None)
+        if streams is not None:
+            streams.close()
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown()

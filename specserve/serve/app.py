@@ -65,6 +65,10 @@ def build_app(args: dict) -> serve.Application:
         # app's configuration, so every router replica enforces it whatever its own environment.
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"api_key": os.environ["SPECSERVE_API_KEY"]})})
     cfg = cfg.with_draft_token()  # one secret per app, in both sides' configuration: the drafts' ports are authenticated
+    if cfg.server.direct_streams and not cfg.server.stream_token:  # and one for the targets' stream ports
+        from ..secret import new_token
+
+        cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"stream_token": new_token()})})
     if cfg.server.api_key is None and cfg.server.api_key_file is None and cfg.server.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", cfg.server.host)
     # Replicas get the configuration without the replica counts: scaling one side (a rolling update)

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .edge import EdgeMiddleware, error_body
 from .protocol import ErrorResponse
+from .streams import TargetGone
 
 logger = logging.getLogger("specserve.serve")
 
@@ -165,7 +166,7 @@ class LogprobsFormatter:
 def is_dead_replica(exc: BaseException) -> bool:
     import ray
 
-    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)) or \
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, TargetGone)) or \
         type(exc).__name__ in ("DeploymentUnavailableError", "ActorDiedError")
 
 

@@ -61,6 +61,11 @@ def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> 
                int(bool(t.get("draft_up"))), {"target": name})
         metric("specserve_target_speculation_k", "gauge", "The speculation length this target chose last.",
                t.get("speculation", {}).get("k", 0), {"target": name})
+        if "direct_streams" in t:
+            metric("specserve_target_direct_streams", "counter", "Requests the router streamed from this target directly (not through a Serve handle).",
+                   t["direct_streams"]["num_streams"], {"target": name})
+            metric("specserve_target_direct_streams_refused", "counter", "Direct stream connections this target turned away (wrong secret, or too many open).",
+                   t["direct_streams"]["num_refused"], {"target": name})
     for name, d in sorted(drafts.items()):
         metric("specserve_draft_num_sequences", "gauge", "Sequences this draft holds state for.", d.get("num_seqs", 0), {"draft": name})
         metric("specserve_draft_num_connections", "gauge", "Targets connected to this draft.", d.get("num_live_connections", 0),

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import time
 import uuid
 from pathlib import Path
@@ -35,10 +36,12 @@ from .http import (ERROR_RESPONSES, APIError, DeadTarget, LogprobsFormatter, fas
                    usage_body, validation_message)
 from .metrics import prometheus_text
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .streams import StreamRefused, TargetGone, open_stream
 
 logger = logging.getLogger("specserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 REGISTRY_POLL_S = 0.25
+AVOID_S = 5.0  # a target whose direct stream failed is reached through the Serve handle for this long
 
 
 def _parse(model, request):
@@ -104,6 +107,8 @@ class Router:
         self.tokenizer = None
         self._info_lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
+        self._streams_open: dict[str, int] = {}  # direct streams open per target replica (the router's load balance)
+        self._avoid: dict[str, float] = {}  # target replica -> until when not to open direct streams to it
         self.created = int(time.time())
         asyncio.get_running_loop().call_soon(self._ensure_poller)  # Serve builds replicas on their loop: watch (and say "ready") at once
 
@@ -324,9 +329,47 @@ class Router:
                                  media_type="text/plain; version=0.0.4")
 
     # -- generation -------------------------------------------------------------------------------
-    async def _start(self, rid: str, token_ids, params, deadline: float):
+    def _direct_target(self) -> tuple[str, str] | None:
+        """(name, address) of the target replica with the fewest direct streams open from this router,
+        among those that offer them; None when none does (the Serve handle serves the request)."""
+        server = self.cfg.server
+        if not server.direct_streams or not server.stream_token:
+            return None
+        now, best = time.monotonic(), None
+        for name, t in self.snapshot["target"].items():
+            address = t.get("stream_address")
+            if address and self._avoid.get(name, 0.0) <= now:
+                rank = (self._streams_open.get(name, 0), random.random())
+                if best is None or rank < best[0]:
+                    best = (rank, name, address)
+        return None if best is None else best[1:]
+
+    async def _open_direct(self, rid: str, token_ids, params):
+        """A direct stream for the request, or None (no target offers one, or it could not be reached)."""
+        picked = self._direct_target()
+        if picked is None:
+            return None
+        name, address = picked
+
+        def closed() -> None:
+            self._streams_open[name] -= 1
+
+        try:
+            gen = await open_stream(address, self.cfg.server.stream_token, rid, list(token_ids), params.to_dict(),
+                                    on_close=closed)
+        except (OSError, asyncio.TimeoutError, ValueError) as exc:
+            logger.warning("direct stream to %s failed (%s); using the Serve handle", name, exc)
+            self._avoid[name] = time.monotonic() + AVOID_S
+            return None
+        self._streams_open[name] = self._streams_open.get(name, 0) + 1
+        gen.target_name = name
+        return gen
+
+    async def _start(self, rid: str, token_ids, params, deadline: float, direct: bool = True):
         """Open the target stream and wait for its first chunk: errors before any output are HTTP errors."""
-        gen = self.target.options(stream=True).stream.remote(rid, list(token_ids), params.to_dict())
+        gen = await self._open_direct(rid, token_ids, params) if direct else None
+        if gen is None:
+            gen = self.target.options(stream=True).stream.remote(rid, list(token_ids), params.to_dict())
         first = asyncio.ensure_future(gen.__anext__())
         while True:
             done, _ = await asyncio.wait({first}, timeout=0.1)
@@ -344,7 +387,12 @@ class Router:
             raise APIError(500, f"the target ended request {rid} without output", "server_error") from None
         except ValueError as exc:  # the target's own validation: the request's fault
             raise APIError(400, str(exc).split("\n")[-1][:500]) from None
+        except StreamRefused as exc:  # busy, or a secret from another app: the Serve handle serves it
+            logger.warning("target %s refused a direct stream (%s); using the Serve handle", getattr(gen, "target_name", "?"), exc)
+            return await self._start(rid, token_ids, params, deadline, direct=False)
         except Exception as exc:
+            if isinstance(exc, TargetGone):
+                self._avoid[gen.target_name] = time.monotonic() + AVOID_S
             if is_dead_replica(exc):
                 raise DeadTarget() from None
             logger.exception("request %s failed before its first token", rid)

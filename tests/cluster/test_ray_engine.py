@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -58,6 +59,15 @@ def test_sides_run_on_their_labelled_nodes(llm):
     assert node_labels(engine.target_info["node_id"])["specserve.io/role"] == "target"
     for info in engine.draft_info:
         assert node_labels(info["node_id"])["specserve.io/role"] == "draft"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="lowering a niceness needs CAP_SYS_NICE (root here)")
+def test_model_actors_run_at_normal_priority(llm):
+    """Ray starts workers at niceness 15, below its own daemons; the sides bring themselves to 0 (and
+    every thread, the engine's included, starts from there)."""
+    engine = llm._engine
+    assert engine.target_info["niceness"] == 0
+    assert [info["niceness"] for info in engine.draft_info] == [0, 0]
 
 
 def test_greedy_equals_reference_for_concurrent_requests(llm, reference):

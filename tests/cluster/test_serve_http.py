@@ -393,6 +393,9 @@ def test_health_and_metrics(server):
     text = httpx.get(f"{server}/metrics", headers=auth(), timeout=30).text
     assert f'specserve_spec_decode_num_draft_tokens{{model_name="{MODEL}"}}' in text
     assert "specserve_spec_decode_num_accepted_tokens_per_pos" in text and "specserve_draft_num_sequences" in text
+    # The requests before this one streamed from the target directly (server.direct_streams, the default).
+    streamed = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specserve_target_direct_streams{")]
+    assert len(streamed) == 1 and streamed[0] > 0, streamed
 
 
 def test_disconnect_frees_both_sides_and_spares_others(server):

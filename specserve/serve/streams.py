@@ -1,0 +1,256 @@
+"""Direct token streams from a target replica to the router: one authenticated TCP connection per request.
+
+Why: a Serve handle call is a hop through Ray's object store and the replica's scheduling, and on
+the request path it cost more than the engine's own first step (benchmarks/bench_http.py: the
+router -> target hop was the largest share of time to first token, and added to every streamed
+token). The router still finds targets, liveness and load through the Registry and falls back to
+the Serve handle whenever a direct stream cannot be opened; only the bytes of a request and its
+deltas take the shorter way.
+
+Protocol (msgpack frames, a 4-byte little-endian length first):
+
+- the target sends ``{"challenge": hex}`` when it accepts;
+- the router answers once: ``{"proof": HMAC(secret, "router:" + challenge), "request_id", "token_ids",
+  "params"}`` (``SamplingParams`` fields);
+- the target then sends one ``StepDelta`` dict per step that added tokens (the last has
+  ``finished``), or one ``{"error": message, "kind": "invalid" | "busy" | "auth" | "internal"}``.
+
+Closing the connection, from either side, aborts the request on the target. The listening port
+is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret, its first frame is capped,
+and at most ``max_streams`` requests stream at once (beyond: ``busy``, and the router uses the
+Serve handle). Knows nothing of HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import threading
+from dataclasses import asdict
+
+import msgpack
+
+from ..sampling_params import SamplingParams
+from ..secret import new_challenge, prove, verify
+
+logger = logging.getLogger("specserve.serve")
+
+_LEN = struct.Struct("<I")
+HELLO_TIMEOUT_S = 5.0  # a new connection's time to send its request
+DELTA_FRAME_BYTES = 64 << 20  # the router's cap on one delta (prompt logprobs of a long prompt are the largest)
+
+
+class TargetGone(ConnectionError):
+    """The target replica's stream ended without finishing: the replica died or dropped it."""
+
+
+class StreamRefused(Exception):
+    """The target would not stream this request (busy, or the secret did not match): use the Serve handle."""
+
+
+def _pack(obj) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(data)) + data
+
+
+async def _read(reader: asyncio.StreamReader, limit: int):
+    (size,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if size > limit:
+        raise ValueError(f"frame of {size} bytes exceeds the {limit}-byte limit")
+    return msgpack.unpackb(await reader.readexactly(size), raw=False, strict_map_key=False)
+
+
+class StreamServer:
+    """The target replica's end: a listening port on its own thread and event loop, feeding requests
+    to the engine loop (``EngineLoop.stream``) and their deltas back."""
+
+    def __init__(self, engine_loop, token: str, host: str, source: str, max_streams: int, max_request_bytes: int):
+        if not token:
+            raise ValueError("a direct stream server needs a secret (server.stream_token)")
+        self.engine_loop, self.token, self.source = engine_loop, token, source
+        self.max_streams, self.request_limit = max_streams, max(64 << 10, 4 * max_request_bytes)
+        self.streaming = 0
+        self.num_streams = 0  # requests streamed (started) over this port
+        self.num_refused = 0  # connections turned away: wrong secret, or too many streams open
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.address: str | None = None
+        self._error: BaseException | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        threading.Thread(target=self._run, args=(host,), name="specserve-streams", daemon=True).start()
+        self._ready.wait(10)
+        if self._error is not None:
+            raise RuntimeError(f"could not listen for direct streams on {host}: {self._error}") from self._error
+
+    def _run(self, host: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, host, 0))
+            port = self._server.sockets[0].getsockname()[1]
+            self.address = f"{host}:{port}"
+        except OSError as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            challenge = new_challenge()
+            writer.write(_pack({"challenge": challenge}))
+            try:
+                hello = await asyncio.wait_for(_read(reader, self.request_limit), HELLO_TIMEOUT_S)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgpack.UnpackException, OSError):
+                return  # silent, slow or oversized: not a router of this app
+            if not isinstance(hello, dict) or not verify(self.token, "router", challenge, hello.get("proof")):
+                self.num_refused += 1
+                logger.warning("refused a direct stream: it did not prove the app's stream secret")
+                writer.write(_pack({"error": "authentication failed", "kind": "auth"}))
+                return
+            if self.streaming >= self.max_streams:
+                self.num_refused += 1
+                writer.write(_pack({"error": f"{self.streaming} streams open", "kind": "busy"}))
+                return
+            self.streaming += 1
+            self.num_streams += 1
+            try:
+                await self._stream(hello, reader, writer)
+            finally:
+                self.streaming -= 1
+        except (ConnectionError, OSError):
+            pass  # the router went away: the request was aborted where it ran
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _stream(self, hello: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            rid, tokens, params = str(hello["request_id"]), list(hello["token_ids"]), SamplingParams(**hello["params"])
+        except (KeyError, TypeError, ValueError) as exc:
+            writer.write(_pack({"error": str(exc), "kind": "invalid"}))
+            return
+        gone = asyncio.ensure_future(reader.read(1))  # the router closing (or sending anything) ends the request
+        deltas = self.engine_loop.stream(rid, tokens, params)
+        step = None
+        try:
+            while True:
+                step = asyncio.ensure_future(deltas.__anext__())
+                done, _ = await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:  # the router left
+                    return
+                try:
+                    item = step.result()
+                except StopAsyncIteration:
+                    return
+                except ValueError as exc:  # the engine's validation: the request's fault
+                    writer.write(_pack({"error": str(exc), "kind": "invalid"}))
+                    return
+                except Exception as exc:
+                    logger.exception("direct stream %s failed", rid)
+                    writer.write(_pack({"error": f"{type(exc).__name__}: {exc}", "kind": "internal"}))
+                    return
+                writer.write(_pack({**asdict(item), "source": self.source}))
+                await writer.drain()
+                if item.finished:
+                    return
+        finally:
+            gone.cancel()
+            if step is not None and not step.done():  # let the generator see the end, then close it
+                step.cancel()
+                with contextlib.suppress(BaseException):
+                    await step
+            await deltas.aclose()  # unfinished: aborts the request on both sides
+
+    def stats(self) -> dict:
+        return {"address": self.address, "streaming": self.streaming, "num_streams": self.num_streams, "num_refused": self.num_refused}
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop listening, abort every open stream (its request too) and stop the thread."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return
+
+        async def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+            for writer in list(self._writers):  # the routers see their streams end unfinished
+                writer.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            loop.call_soon(loop.stop)
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), loop).result(timeout_s)
+        except Exception as exc:  # shutting down anyway
+            logger.debug("closing the stream server: %s", exc)
+
+
+class DirectStream:
+    """The router's end of one request: ``__anext__`` gives the target's delta dicts and ``cancel``
+    closes the connection (aborting the request), as a Serve streaming call's generator does."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_close=None):
+        self.reader, self.writer = reader, writer
+        self.finished = False
+        self._on_close = on_close  # called once, when the stream ends or is cancelled
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> dict:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            msg = await _read(self.reader, DELTA_FRAME_BYTES)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError, msgpack.UnpackException) as exc:
+            self.cancel()
+            raise TargetGone(f"the target's stream broke: {type(exc).__name__}") from None
+        if not isinstance(msg, dict):
+            self.cancel()
+            raise TargetGone("the target sent a malformed frame")
+        if "error" in msg:
+            self.cancel()
+            kind, text = msg.get("kind"), str(msg["error"])
+            if kind == "invalid":
+                raise ValueError(text)
+            if kind in ("busy", "auth"):
+                raise StreamRefused(text)
+            raise RuntimeError(f"the target failed: {text}")
+        if msg.get("finished"):
+            self.finished = True
+            self.cancel()
+        return msg
+
+    def cancel(self) -> None:
+        self.finished = True
+        if not self.writer.is_closing():
+            self.writer.close()
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+
+async def open_stream(address: str, token: str, request_id: str, token_ids: list[int], params: dict,
+                      timeout_s: float = 2.0, on_close=None) -> DirectStream:
+    """Connect to a target replica's stream server and send one request (``OSError`` if it cannot be reached)."""
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+    try:
+        first = await asyncio.wait_for(_read(reader, 4096), timeout_s)
+        challenge = first.get("challenge") if isinstance(first, dict) else None
+        if not isinstance(challenge, str):
+            raise ConnectionError("the target sent no challenge")
+        writer.write(_pack({"proof": prove(token, "router", challenge), "request_id": request_id,
+                            "token_ids": list(token_ids), "params": params}))
+        await writer.drain()
+    except BaseException:
+        writer.close()
+        raise
+    return DirectStream(reader, writer, on_close)
