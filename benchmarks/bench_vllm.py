@@ -57,6 +57,9 @@ class PlainVLLM:
     def __init__(self, **kwargs):
         from vllm import LLM
 
+        from specserve.distributed.workers import normal_priority
+
+        normal_priority()  # as specserve's sides do (and its engine process inherits it): same footing
         self.llm = LLM(**kwargs)
 
     def _counters(self) -> dict:
@@ -187,6 +190,8 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
         return out
     for delay in args.delays_ms:
         out[f"specserve d={delay:g}ms"] = lambda delay=delay: SpecserveRunner(target, draft, {**common, "channel_delay_ms": delay}, options)
+    if args.systems and "specserve niceness 15" in args.systems:  # opt-in A/B: the sides as Ray starts its workers
+        out["specserve niceness 15"] = lambda: SpecserveRunner(target, draft, {**common, "normal_priority": False}, options)
     if not args.quick:
         out[f"specserve k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options)
         out["specserve no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options)
