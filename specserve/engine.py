@@ -258,6 +258,7 @@ class EngineCore(RequestQueue):
         }
         out = {**self.totals.to_dict(), **self.counters, "timing": t, "per_step": per_step,
                "num_running": self.num_running, "num_waiting": len(self.waiting),
+               "num_prefills_shared": getattr(self.target, "num_prefills_shared", 0),
                "speculation": self.controller.state()}
         if self.pool is not None:
             out["drafts"] = self.pool.status()

@@ -49,6 +49,10 @@ class TargetSide:
         self.forward_s = 0.0  # time in verify forwards, for the engine's step breakdown
         self._grammars = None  # structured.Grammars, built with the first constrained request
         self.hidden_layers: tuple[int, ...] | None = None  # the rows an EAGLE head reads (None: no head connected)
+        # Live sequences by prompt (all but its last token, what a prefill caches): a request with the
+        # same prompt (the n choices of one request) copies those rows instead of prefilling them again.
+        self._by_prompt: dict[tuple[int, ...], set[str]] = {}
+        self.num_prefills_shared = 0
 
     @property
     def max_model_len(self) -> int:
@@ -116,7 +120,7 @@ class TargetSide:
                                          grammar)
             self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor)
             self.backend.add(rid)
-        prefill = [(rid, prompt[:-1], params) for rid, prompt, params, _ in requests if len(prompt) > 1]
+        prefill, forks = self._plan_prefill(requests)
         if prefill:
             # Prompt logprobs come from the prefill's own logits: every position's, for the rows that ask.
             num_logits = [len(t) if p.prompt_logprobs is not None else 1 for _, t, p in prefill]
@@ -133,13 +137,43 @@ class TargetSide:
                 if params.prompt_logprobs is not None:
                     prompt = tokens + [self.seqs[rid].token_ids[-1]]
                     self.seqs[rid].prompt_logprobs = [None] + logprob_entries(logits[row, -n:], prompt[1:], params.prompt_logprobs, ranks=True)
+        for dst, src, length in forks:
+            self.backend.fork(src, dst, length)
+            self.num_prefills_shared += 1
         for rid, prompt, params, _ in requests:
             if params.prompt_logprobs is not None and len(prompt) == 1:
                 self.seqs[rid].prompt_logprobs = [None]
+            if len(prompt) > 1:
+                self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(rid)
+
+    def _plan_prefill(self, requests) -> tuple[list, list]:
+        """(rows to prefill, (sequence, source, length) to copy instead): a prompt already cached by a
+        live sequence, or prefilled earlier in this batch, is copied. Not with prompt logprobs (they
+        need the prefill's logits) nor a draft head (it needs the prefill's hidden rows)."""
+        fork = getattr(self.backend, "fork", None)
+        prefill, forks, first = [], [], {}
+        for rid, prompt, params, _ in requests:
+            if len(prompt) <= 1:
+                continue
+            key = tuple(prompt[:-1])
+            if fork is not None and params.prompt_logprobs is None and not self.hidden_layers:
+                src = first.get(key) or next((r for r in self._by_prompt.get(key, ()) if self.backend.num_cached(r) >= len(key)), None)
+                if src is not None:
+                    forks.append((rid, src, len(key)))
+                    continue
+                first[key] = rid
+            prefill.append((rid, prompt[:-1], params))
+        return prefill, forks
 
     def close(self, request_id: str) -> None:
-        if self.seqs.pop(request_id, None) is not None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
             self.backend.free(request_id)
+            sharing = self._by_prompt.get(tuple(seq.token_ids[:seq.stopper.prompt_len - 1]))
+            if sharing is not None:
+                sharing.discard(request_id)
+                if not sharing:
+                    del self._by_prompt[tuple(seq.token_ids[:seq.stopper.prompt_len - 1])]
 
     def room(self, seq: TargetSeq) -> int:
         """How many draft tokens this sequence can still use (context and max_tokens)."""

@@ -117,6 +117,16 @@ class HFBackend:
         self._seq_at_row.pop()
         self._length.pop()
 
+    def fork(self, src_id: str, dst_id: str, length: int) -> None:
+        """Give ``dst_id`` (added, nothing cached yet) the first ``length`` cached positions of
+        ``src_id``: a prompt prefilled once serves every sequence that starts with it."""
+        src, dst = self._row[src_id], self._row[dst_id]
+        if self._length[dst] != 0 or not 0 < length <= self._length[src]:
+            raise ValueError(f"cannot fork {length} positions of {src_id!r} ({self._length[src]} cached) into {dst_id!r}")
+        self.cache.ensure(dst + 1, length)
+        self.cache.copy_row(src, dst, length)
+        self._length[dst] = length
+
     def num_cached(self, seq_id: str) -> int:
         return self._length[self._row[seq_id]]
 

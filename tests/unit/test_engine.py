@@ -228,3 +228,31 @@ def test_a_step_that_fails_after_finishing_requests_fails_them_too(tiny_pair, re
         with concurrent.futures.ThreadPoolExecutor(1) as pool, pytest.raises(RequestFailed, match="engine step failed"):
             pool.submit(llm.generate, PROMPTS[:2], short, use_tqdm=False).result(timeout=120)  # (was: waited forever)
         assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)] == reference[:3]  # still serving
+
+
+def test_the_same_prompt_is_prefilled_once(tiny_pair, reference):
+    """The n choices of a request (the same prompt) share one prefill: in one admission batch, and
+    when a live sequence already holds the prompt; the outputs are what each gives alone."""
+    prompt = PROMPTS[5]
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        shared = lambda: llm.metrics()["num_prefills_shared"]  # noqa: E731
+        outs = llm.generate([prompt, PROMPTS[0], prompt, prompt], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [reference[5], reference[0], reference[5], reference[5]]
+        assert shared() == 2
+
+        seeded = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=s) for s in (1, 2, 3)]
+        alone = [llm.generate([prompt], p, use_tqdm=False)[0].token_ids for p in seeded]
+        assert shared() == 2  # one at a time: nothing live to share with
+        together = [o.token_ids for o in llm.generate([prompt] * 3, seeded, use_tqdm=False)]
+        assert together == alone and shared() == 4
+
+        async def joined():  # a second request arrives while the first holds the prompt
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            first = llm.stream(prompt, long)
+            await first.__anext__()
+            second = [t async for d in llm.stream(prompt, GREEDY) for t in d.token_ids]
+            await first.aclose()
+            return second
+
+        assert asyncio.run(joined()) == reference[5]
+        assert shared() == 5
