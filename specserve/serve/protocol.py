@@ -41,7 +41,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: StrictBool | None = Field(False, description="Send a final chunk with token usage.")
-    continuous_usage_stats: StrictBool | None = Field(False, description="Not supported: must be false.")
+    continuous_usage_stats: StrictBool | None = Field(False, description="With include_usage: every chunk carries the usage so far (its choice's tokens), as vLLM sends it.")
 
 
 def _plain(value):
@@ -164,7 +164,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: StrictBool = Field(False, description="vLLM extension: keep the matched stop string in the text.")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description=f"Per-request seed in [0, {MAX_SEED}]: same seed, same output.")
     stream: StrictBool | None = Field(False, description="Stream server-sent events.")
-    stream_options: StreamOptions | None = Field(None, description="Only with stream: include_usage.")
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: include_usage, continuous_usage_stats.")
     ignore_eos: StrictBool = Field(False, description="vLLM extension: keep generating past EOS.")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="vLLM extension: token ids that end the output.")
     skip_special_tokens: StrictBool = Field(True, description="vLLM extension: leave special tokens out of the text.")
@@ -232,8 +232,6 @@ class _SamplingFields(_Body):
         if self.prompt_logprobs and self.stream:
             raise ValueError("prompt_logprobs are not available with stream=true")
         so = self.stream_options
-        if so is not None and so.continuous_usage_stats:
-            raise ValueError("stream_options.continuous_usage_stats is not supported by specserve: usage comes in the final chunk")
         if so is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -310,6 +308,11 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM: ``continuous_usage_stats``, which takes ``include_usage`` too)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

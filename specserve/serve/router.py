@@ -599,6 +599,8 @@ class Router:
             body_ = {"id": response_id, "object": kind, "created": created, "model": self.model_name, "choices": [choice]}
             if finish is not None:
                 body_["specserve"] = out.metrics.to_dict()
+            if body.continuous_usage:  # this choice's tokens so far, as vLLM counts them
+                body_["usage"] = usage_body(len(token_ids), 0 if prompt_only else len(out.token_ids))
             return body_
 
         try:

@@ -250,6 +250,14 @@ def test_openai_client_chat(client):
     parts = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0,
                                            messages=[{"role": "user", "content": [{"type": "text", "text": "w4 w5"}]}])
     assert parts.choices[0].message.content == out.choices[0].message.content
+    # What guidellm sends: usage in every chunk (vLLM's continuous_usage_stats), counting up to the final one.
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=6, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                                 stop=None, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6 and len(chunks) >= 3
+    assert {c.usage.prompt_tokens for c in chunks} == {out.usage.prompt_tokens}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
 
 
 def test_sse_framing(server):
