@@ -1,0 +1,212 @@
+"""vLLM's own benchmark client (`vllm bench serve`, unpatched) against four OpenAI servers, one at a time.
+
+The servers, each given the same target (and draft):
+
+- ``vllm serve``: vLLM's OpenAI server, target only;
+- ``vllm serve colocated``: the same with ``--speculative-config`` ``draft_model``, k = ``--k``;
+- ``specserve serve``: the Serve app (router, target replica, draft replica), specserve's engine;
+- ``specserve serve vllm``: the same app with the vLLM target engine (``target.backend: vllm``).
+
+In the two-device harness by default (``bench_cluster.local_cluster``: the target node, vLLM's
+servers and the client on the target's cores, specserve's draft node on the others; each process
+one OpenMP thread), ``--shared-cores`` for every process on every core. Per server and concurrency
+the client sends ``--num-prompts`` random prompts of ``--input-len`` tokens for ``--output-len``
+tokens (``ignore_eos``), greedy, and reports completed/failed requests, output tok/s, median TTFT
+and TPOT. Prints a table, writes ``--out``/serve.{md,json} and a plot.
+
+    python -m benchmarks.bench_serve [--concurrency 1,8,32] [--num-prompts 32] [--shared-cores]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .bench_cluster import THREAD_ENV, local_cluster
+
+VLLM_OPTIONS = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
+CLIENT = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+          "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+          "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")  # the `vllm bench serve` entry
+
+
+def _wait_http(url: str, timeout_s: float, alive=lambda: True, ok=lambda r: r.status_code == 200) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server behind {url} exited while starting")
+        try:
+            if ok(httpx.get(url, timeout=5)):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready within {timeout_s:g}s")
+
+
+class VLLMServer:
+    def __init__(self, target: str, draft: str | None, k: int, port: int, log: Path):
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "bench",
+               "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32", "--seed", "0",
+               "--kv-cache-memory-bytes", str(VLLM_OPTIONS["kv_cache_memory_bytes"]), "--max-model-len", str(VLLM_OPTIONS["max_model_len"])]
+        if draft:
+            cmd += ["--speculative-config", json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": k})]
+        # nobind: vLLM-CPU must not re-pin its threads over the harness's cores (the server inherits the target's).
+        env = {**os.environ, **THREAD_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "RAY_ADDRESS": ""}
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{self.base}/health", 300, alive=lambda: self.proc.poll() is None)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class SpecserveServer:
+    def __init__(self, target: str, draft: str, k: int, port: int, vllm_target: bool):
+        from ray import serve
+
+        from specserve.serve import build_app
+
+        side = {"num_cpus": 0.25}
+        target_side = {"model": target, **side, "dtype": "float32"}
+        if vllm_target:
+            target_side.update(backend="vllm", backend_options=dict(VLLM_OPTIONS))
+        config = {"target": target_side, "draft": {"model": draft, **side}, "speculation": {"num_speculative_tokens": k},
+                  "engine": {"cpu_threads": 1}, "server": {"model_name": "bench", "max_pending_requests": 1024},
+                  "cluster": {"runtime_env": {"env_vars": THREAD_ENV}}}
+        serve.run(build_app(config), name="bench-serve", route_prefix="/")
+        self.base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{self.base}/health", 300, ok=lambda r: r.status_code == 200 and r.json().get("draft") == "up")
+
+    def close(self) -> None:
+        from ray import serve
+
+        serve.delete("bench-serve")
+
+
+def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path) -> dict:
+    name = f"c{concurrency}.json"
+    cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions",
+           "--model", "bench", "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(max(args.num_prompts, 2 * concurrency)),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
+           "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--ready-check-timeout-sec", "0",
+           "--num-warmups", str(min(concurrency, 4))]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                         env={**os.environ, **THREAD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    if run.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed against {base}: {(run.stdout + run.stderr)[-1500:]}")
+    r = json.loads((out_dir / name).read_text())
+    return {"completed": r["completed"], "failed": r.get("failed", 0), "output_tok_s": r["output_throughput"],
+            "median_ttft_ms": r["median_ttft_ms"], "median_tpot_ms": r["median_tpot_ms"], "request_s": r["request_throughput"]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="demo:target")
+    parser.add_argument("--draft", default="demo:draft")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels [1,8,32]")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per level (at least 2 x its concurrency) [32]")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--servers", default=None, help="only these, comma-separated, as the table names them")
+    parser.add_argument("--shared-cores", action="store_true", help="every process on every core (no device emulation)")
+    parser.add_argument("--port", type=int, default=8141, help="specserve's port (Serve's proxy); vLLM's servers use the next")
+    parser.add_argument("--out", default="bench_out/serve")
+    args = parser.parse_args(argv)
+
+    from ray import serve
+
+    from specserve.config import resolve_model
+
+    target, draft = resolve_model(args.target), resolve_model(args.draft)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    vllm_port = args.port + 1  # Serve's proxy holds --port
+    servers = {"vllm serve": lambda: VLLMServer(target, None, args.k, vllm_port, logs / "vllm.log"),
+               f"vllm serve colocated k={args.k}": lambda: VLLMServer(target, draft, args.k, vllm_port, logs / "vllm-colocated.log"),
+               "specserve serve": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False),
+               "specserve serve vllm": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=True)}
+    if args.servers:
+        wanted = [s.strip() for s in args.servers.split(",")]
+        unknown = [s for s in wanted if s not in servers]
+        if unknown:
+            raise SystemExit(f"unknown --servers {unknown}: choose from {list(servers)}")
+        servers = {name: servers[name] for name in wanted}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    rows = []
+    with local_cluster(two_device=not args.shared_cores) as cluster:
+        where = ("shared cores" if cluster.target_cpus is None else
+                 f"two-device harness: target, vLLM's servers and the client on cores {sorted(cluster.target_cpus)}, "
+                 f"specserve's draft on {sorted(cluster.draft_cpus)}")
+        print(where, flush=True)
+        serve.start(http_options={"host": "127.0.0.1", "port": args.port}, logging_config={"log_level": "WARNING"})
+        for name, start in servers.items():
+            print(f"starting {name} ...", flush=True)
+            server = start()
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    for c in levels:
+                        r = run_client(server.base, target, c, args, Path(tmp))
+                        rows.append({"server": name, "concurrency": c, **r})
+                        print(f"{name:32s} c={c:<3d} {r['output_tok_s']:8.1f} tok/s  TTFT {r['median_ttft_ms']:7.1f} ms  "
+                              f"TPOT {r['median_tpot_ms']:6.2f} ms  failed {r['failed']}", flush=True)
+            finally:
+                server.close()
+        serve.shutdown()
+    lines = [f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
+             f"greedy, ignore_eos); {where}; one run", "",
+             "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        best = max((x["output_tok_s"] for x in rows if x["concurrency"] == r["concurrency"] and x["server"].startswith("vllm")),
+                   default=None)
+        ratio = f"{r['output_tok_s'] / best:.2f}x" if best else "-"
+        lines.append(f"| {r['server']} | {r['concurrency']} | {r['completed']} / {r['failed']} | {r['output_tok_s']:.1f} | {ratio} | "
+                     f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} |")
+    print("\n".join(lines))
+    (out / "serve.md").write_text("\n".join(lines) + "\n")
+    (out / "serve.json").write_text(json.dumps({"args": vars(args), "where": where, "rows": rows}, indent=1))
+    _plot(rows, levels, out / "serve.png")
+    print(f"wrote {out / 'serve.md'}, {out / 'serve.json'}, {out / 'serve.png'}")
+    return 0
+
+
+def _plot(rows: list[dict], levels: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = {r["concurrency"]: r["output_tok_s"] for r in rows if r["server"] == name}
+        ax.plot([c for c in levels if c in mine], [mine[c] for c in levels if c in mine], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max concurrency")
+    ax.set_ylabel("output tok/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
