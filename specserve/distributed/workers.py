@@ -249,8 +249,11 @@ class TargetWorker:
         if registry is not None and cfg.server.direct_streams and cfg.server.stream_token:  # Serve: the router streams directly
             from ..serve.streams import StreamServer
 
-            self.streams = StreamServer(self.loop, cfg.server.stream_token, info["ip"], self.name,
-                                        max_streams=cfg.engine.max_num_seqs * 4, max_request_bytes=cfg.server.max_request_bytes)
+            try:
+                self.streams = StreamServer(self.loop, cfg.server.stream_token, info["ip"], self.name,
+                                            max_streams=cfg.engine.max_num_seqs * 4, max_request_bytes=cfg.server.max_request_bytes)
+            except RuntimeError as exc:  # the router then streams through the Serve handle
+                logger.warning("no direct streams from %s: %s", self.name, exc)
         self._announcer = _Announcer(registry, "target", self.name, self.metrics) if registry is not None else None
         logger.info("target %s ready (loaded in %.1fs)", self.name, self.info["load_s"])
 

@@ -387,8 +387,9 @@ class Router:
             raise APIError(500, f"the target ended request {rid} without output", "server_error") from None
         except ValueError as exc:  # the target's own validation: the request's fault
             raise APIError(400, str(exc).split("\n")[-1][:500]) from None
-        except StreamRefused as exc:  # busy, or a secret from another app: the Serve handle serves it
-            logger.warning("target %s refused a direct stream (%s); using the Serve handle", getattr(gen, "target_name", "?"), exc)
+        except StreamRefused as exc:  # busy, or a secret from another app: the Serve handle serves it (for a while)
+            logger.warning("target %s refused a direct stream (%s); using the Serve handle", gen.target_name, exc)
+            self._avoid[gen.target_name] = time.monotonic() + AVOID_S
             return await self._start(rid, token_ids, params, deadline, direct=False)
         except Exception as exc:
             if isinstance(exc, TargetGone):

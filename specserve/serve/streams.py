@@ -39,6 +39,7 @@ logger = logging.getLogger("specserve.serve")
 
 _LEN = struct.Struct("<I")
 HELLO_TIMEOUT_S = 5.0  # a new connection's time to send its request
+MAX_UNPROVEN = 64  # connections that may be sending their request at once; beyond, new ones are closed at once
 DELTA_FRAME_BYTES = 64 << 20  # the router's cap on one delta (prompt logprobs of a long prompt are the largest)
 
 
@@ -72,6 +73,7 @@ class StreamServer:
         self.engine_loop, self.token, self.source = engine_loop, token, source
         self.max_streams, self.request_limit = max_streams, max(64 << 10, 4 * max_request_bytes)
         self.streaming = 0
+        self.unproven = 0
         self.num_streams = 0  # requests streamed (started) over this port
         self.num_refused = 0  # connections turned away: wrong secret, or too many streams open
         self._ready = threading.Event()
@@ -99,14 +101,21 @@ class StreamServer:
         self._loop.run_forever()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.unproven >= MAX_UNPROVEN:  # a flood of strangers: the routers' next try gets in, or uses the handle
+            self.num_refused += 1
+            writer.transport.abort()
+            return
         self._writers.add(writer)
         try:
             challenge = new_challenge()
             writer.write(_pack({"challenge": challenge}))
+            self.unproven += 1
             try:
                 hello = await asyncio.wait_for(_read(reader, self.request_limit), HELLO_TIMEOUT_S)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgpack.UnpackException, OSError):
                 return  # silent, slow or oversized: not a router of this app
+            finally:
+                self.unproven -= 1
             if not isinstance(hello, dict) or not verify(self.token, "router", challenge, hello.get("proof")):
                 self.num_refused += 1
                 logger.warning("refused a direct stream: it did not prove the app's stream secret")

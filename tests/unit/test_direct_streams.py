@@ -46,7 +46,8 @@ def test_stream_gives_the_engines_tokens(llm, server):
     assert [t for d in deltas for t in d["token_ids"]] == expected
     assert deltas[-1]["finished"] and not any(d["finished"] for d in deltas[:-1])
     assert {d["source"] for d in deltas} == {"target-test"}
-    assert server.stats()["num_streams"] == 1 and server.stats()["streaming"] == 0
+    assert server.stats()["num_streams"] == 1
+    wait_until(lambda: server.stats()["streaming"] == 0, 10, message="the stream closed on the server")
 
 
 async def _collect_opened(address, secret, rid, prompt, params):
@@ -88,6 +89,16 @@ def test_the_port_is_bounded(server, monkeypatch):
     assert sock.recv(16) == b""
     assert time.monotonic() - started < 5
     assert server.stats()["num_streams"] == 0
+    # Strangers that hold connections open without proving anything: beyond MAX_UNPROVEN, closed at once.
+    monkeypatch.setattr(streams, "HELLO_TIMEOUT_S", 30)
+    monkeypatch.setattr(streams, "MAX_UNPROVEN", 1)
+    holder = _raw(server.address)
+    host, _, port = server.address.rpartition(":")
+    extra = socket.create_connection((host, int(port)), timeout=10)
+    assert extra.recv(16) == b""  # no challenge: turned away
+    holder.close()
+    wait_until(lambda: server.unproven == 0, 10, message="the holder's connection released")
+    _raw(server.address).close()  # room again
 
 
 def test_beyond_max_streams_the_router_is_told_busy(llm, server):
