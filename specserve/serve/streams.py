@@ -10,14 +10,15 @@ deltas take the shorter way.
 Protocol (msgpack frames, a 4-byte little-endian length first):
 
 - the target sends ``{"challenge": hex}`` when it accepts;
-- the router answers once: ``{"proof": HMAC(secret, "router:" + challenge), "request_id", "token_ids",
-  "params"}`` (``SamplingParams`` fields);
+- the router proves the app's secret in a small frame, ``{"proof": HMAC(secret, "router:" + challenge)}``,
+  then sends the request, ``{"request_id", "token_ids", "params"}`` (``SamplingParams`` fields);
 - the target then sends one ``StepDelta`` dict per step that added tokens (the last has
   ``finished``), or one ``{"error": message, "kind": "invalid" | "busy" | "auth" | "internal"}``.
 
 Closing the connection, from either side, aborts the request on the target. The listening port
-is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret, its first frame is capped,
-and at most ``max_streams`` requests stream at once (beyond: ``busy``, and the router uses the
+is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret and as long again to send its
+request, nothing over ``PROOF_FRAME_BYTES`` is read before the proof, at most ``MAX_UNPROVEN``
+connections may be proving it at once, and at most ``max_streams`` requests stream at once (beyond: ``busy``, and the router uses the
 Serve handle). Knows nothing of HTTP.
 """
 
@@ -39,7 +40,8 @@ logger = logging.getLogger("specserve.serve")
 
 _LEN = struct.Struct("<I")
 HELLO_TIMEOUT_S = 5.0  # a new connection's time to send its request
-MAX_UNPROVEN = 64  # connections that may be sending their request at once; beyond, new ones are closed at once
+MAX_UNPROVEN = 64  # connections that may be proving the secret at once; beyond, new ones are closed at once
+PROOF_FRAME_BYTES = 4096  # what is read from a connection before it proves the secret
 DELTA_FRAME_BYTES = 64 << 20  # the router's cap on one delta (prompt logprobs of a long prompt are the largest)
 
 
@@ -110,16 +112,20 @@ class StreamServer:
             challenge = new_challenge()
             writer.write(_pack({"challenge": challenge}))
             self.unproven += 1
-            try:
+            try:  # the proof first, in a small frame: nothing large is read from a stranger
+                proof = await asyncio.wait_for(_read(reader, PROOF_FRAME_BYTES), HELLO_TIMEOUT_S)
+                if not isinstance(proof, dict) or not verify(self.token, "router", challenge, proof.get("proof")):
+                    self.num_refused += 1
+                    logger.warning("refused a direct stream: it did not prove the app's stream secret")
+                    writer.write(_pack({"error": "authentication failed", "kind": "auth"}))
+                    return
                 hello = await asyncio.wait_for(_read(reader, self.request_limit), HELLO_TIMEOUT_S)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgpack.UnpackException, OSError):
                 return  # silent, slow or oversized: not a router of this app
             finally:
                 self.unproven -= 1
-            if not isinstance(hello, dict) or not verify(self.token, "router", challenge, hello.get("proof")):
-                self.num_refused += 1
-                logger.warning("refused a direct stream: it did not prove the app's stream secret")
-                writer.write(_pack({"error": "authentication failed", "kind": "auth"}))
+            if not isinstance(hello, dict):
+                writer.write(_pack({"error": "the request must be a map", "kind": "invalid"}))
                 return
             if self.streaming >= self.max_streams:
                 self.num_refused += 1
@@ -256,8 +262,8 @@ async def open_stream(address: str, token: str, request_id: str, token_ids: list
         challenge = first.get("challenge") if isinstance(first, dict) else None
         if not isinstance(challenge, str):
             raise ConnectionError("the target sent no challenge")
-        writer.write(_pack({"proof": prove(token, "router", challenge), "request_id": request_id,
-                            "token_ids": list(token_ids), "params": params}))
+        writer.write(_pack({"proof": prove(token, "router", challenge)}))
+        writer.write(_pack({"request_id": request_id, "token_ids": list(token_ids), "params": params}))
         await writer.drain()
     except BaseException:
         writer.close()

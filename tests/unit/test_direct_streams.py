@@ -14,6 +14,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.serve import streams
+from specserve.secret import prove
 from specserve.serve.streams import StreamRefused, StreamServer, TargetGone, open_stream
 
 from ..conftest import wait_until
@@ -69,19 +70,27 @@ def test_a_bad_request_is_a_value_error_naming_the_field(server):
         asyncio.run(_collect_opened(server.address, SECRET, "r4", [-5], GREEDY.to_dict()))
 
 
-def _raw(address: str) -> socket.socket:
+def _raw(address: str, prove_with: str | None = None) -> socket.socket:
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
     size = struct.unpack("<I", sock.recv(4))[0]
-    assert "challenge" in msgpack.unpackb(sock.recv(size))
+    challenge = msgpack.unpackb(sock.recv(size))["challenge"]
+    if prove_with is not None:
+        proof = msgpack.packb({"proof": prove(prove_with, "router", challenge)})
+        sock.sendall(struct.pack("<I", len(proof)) + proof)
     return sock
 
 
 def test_the_port_is_bounded(server, monkeypatch):
-    # A request frame over the limit (4 x max_request_bytes, at least 64 KiB): closed unread.
-    sock = _raw(server.address)
-    sock.sendall(struct.pack("<I", 1 << 20))
-    assert sock.recv(16) == b""
+    # Before the proof nothing larger than PROOF_FRAME_BYTES is read: closed unread.
+    def closed_at_once(sock, header: int) -> bool:  # (HELLO_TIMEOUT_S is 5 s: a server reading on would wait that long)
+        started = time.monotonic()
+        sock.sendall(struct.pack("<I", header))
+        return sock.recv(16) == b"" and time.monotonic() - started < 2.5
+
+    assert closed_at_once(_raw(server.address), streams.PROOF_FRAME_BYTES + 1)
+    # After it, a request over the limit (4 x max_request_bytes, at least 64 KiB): closed unread.
+    assert closed_at_once(_raw(server.address, prove_with=SECRET), 1 << 20)
     # A connection that never sends its request is closed after HELLO_TIMEOUT_S.
     monkeypatch.setattr(streams, "HELLO_TIMEOUT_S", 0.5)
     sock = _raw(server.address)
