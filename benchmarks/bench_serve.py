@@ -76,7 +76,7 @@ class VLLMServer:
 
 
 class SpecserveServer:
-    def __init__(self, target: str, draft: str, k: int, port: int, vllm_target: bool):
+    def __init__(self, target: str, draft: str, k: int, port: int, vllm_target: bool, speculation: dict | None = None):
         from ray import serve
 
         from specserve.serve import build_app
@@ -85,7 +85,7 @@ class SpecserveServer:
         target_side = {"model": target, **side, "dtype": "float32"}
         if vllm_target:
             target_side.update(backend="vllm", backend_options=dict(VLLM_OPTIONS))
-        config = {"target": target_side, "draft": {"model": draft, **side}, "speculation": {"num_speculative_tokens": k},
+        config = {"target": target_side, "draft": {"model": draft, **side}, "speculation": {"num_speculative_tokens": k, **(speculation or {})},
                   "engine": {"cpu_threads": 1}, "server": {"model_name": "bench", "max_pending_requests": 1024},
                   "cluster": {"runtime_env": {"env_vars": THREAD_ENV}}}
         serve.run(build_app(config), name="bench-serve", route_prefix="/")
@@ -141,6 +141,9 @@ def main(argv=None) -> int:
                f"vllm serve colocated k={args.k}": lambda: VLLMServer(target, draft, args.k, vllm_port, logs / "vllm-colocated.log"),
                "specserve serve": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False),
                "specserve serve vllm": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=True)}
+    if args.servers and "specserve serve first-step drafts" in args.servers:  # opt-in A/B: the first step waits for the draft
+        servers["specserve serve first-step drafts"] = lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False,
+                                                                               speculation={"first_step_drafts": True})
     if args.servers:
         wanted = [s.strip() for s in args.servers.split(",")]
         unknown = [s for s in wanted if s not in servers]

@@ -128,6 +128,7 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
     spec = cfg.speculation
     controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
     core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
+    core.first_step_drafts = spec.first_step_drafts
     if link is not None:
         core.pool = DraftPool(
             discover=link.discover, connect=link.connect,

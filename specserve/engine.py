@@ -86,6 +86,7 @@ class EngineCore(RequestQueue):
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.step_id = 0
+        self.first_step_drafts = False  # a new sequence's first step without drafts (config: speculation.first_step_drafts)
         self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (is the next step warm?)
         self._last_step_end: float | None = None
         self.totals = SpecMetrics()
@@ -121,13 +122,14 @@ class EngineCore(RequestQueue):
         return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed, hidden)
 
     # -- one step -----------------------------------------------------------------------------
-    def _admit(self, failed: dict[str, Exception]) -> None:
+    def _admit(self, failed: dict[str, Exception]) -> list[str]:
+        """Prefill waiting requests (one batched forward) up to ``max_num_seqs``; their ids."""
         batch = []
         while self.waiting and self.target.num_seqs + len(batch) < self.max_num_seqs:
             rid, prompt, params = self.waiting.popleft()
             batch.append((rid, prompt, params, params.seed if params.seed is not None else random_seed()))
         if not batch:
-            return
+            return []
         start = time.perf_counter()
         try:
             self.target.open(batch)
@@ -143,6 +145,7 @@ class EngineCore(RequestQueue):
             for rid, *_ in batch:
                 if rid in self.target.seqs:
                     self.pool.open(rid)
+        return [rid for rid, *_ in batch]
 
     def _verify(self, blocks, fallback: set[str], only: list[str]):
         try:
@@ -162,7 +165,7 @@ class EngineCore(RequestQueue):
         if self.pool is not None:
             self.pool.poll()
         admitted = time.perf_counter()
-        self._admit(result.failed)
+        admitted_ids = self._admit(result.failed)
         prefill_s = time.perf_counter() - admitted
         seqs = self.target.seqs
         if not seqs:
@@ -173,6 +176,14 @@ class EngineCore(RequestQueue):
         wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
                                    ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
                                     for rid, s in seqs.items()), cache=have_draft and self.pool.drafts_ahead)
+        for rid in admitted_ids if wants and not self.first_step_drafts else ():
+            # A new sequence's first step goes without drafts, so neither its first token nor the
+            # batch waits for the draft to prefill it (vLLM, too, takes the first token from the
+            # prefill); the draft catches up from the verdict. Seeded sampled requests keep full
+            # blocks: their draws follow block boundaries, and the same seed must give the same output.
+            s = seqs.get(rid)
+            if s is not None and (s.params.greedy or s.params.seed is None):
+                wants.pop(rid, None)
         cache_only, arm = self.controller.cache_only, self.controller.arm
         if arm is not None and arm[0] and not wants:
             arm = None  # a speculating arm that asked nothing (no room left) measures nothing

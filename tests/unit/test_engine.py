@@ -256,3 +256,25 @@ def test_the_same_prompt_is_prefilled_once(tiny_pair, reference):
 
         assert asyncio.run(joined()) == reference[5]
         assert shared() == 5
+
+
+def test_a_new_sequences_first_token_does_not_wait_for_the_draft(tiny_pair, reference):
+    """Greedy and unseeded requests take their first step without drafts (the draft prefills the
+    prompt meanwhile); seeded sampled ones speculate from the first step; speculation.first_step_drafts
+    restores drafting there. Output is the same either way."""
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
+    outs = {}
+    for first_step_drafts in (False, True):
+        with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64", adaptive=False,
+                 first_step_drafts=first_step_drafts) as llm:
+            async def first_deltas():
+                greedy = [d async for d in llm.stream(PROMPTS[3], GREEDY)]
+                sampled = [d async for d in llm.stream(PROMPTS[3], seeded)]
+                return greedy, sampled
+
+            greedy, sampled = asyncio.run(first_deltas())
+            assert [t for d in greedy for t in d.token_ids] == reference[3]
+            assert greedy[0].num_draft_tokens == (3 if first_step_drafts else 0)
+            assert sampled[0].num_draft_tokens == 3
+            outs[first_step_drafts] = [t for d in sampled for t in d.token_ids]
+    assert outs[False] == outs[True]
