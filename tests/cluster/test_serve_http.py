@@ -595,8 +595,11 @@ def test_hung_draft_is_detected_and_probed_back(server, target_model):
         assert elapsed < DRAFT_MAX_TIMEOUT_S / 2, elapsed
         wait_healthy(server, 60, want=("degraded",))
     finally:
-        os.kill(pid, signal.SIGCONT)
-    wait_healthy(server, 2 * DRAFT_MAX_TIMEOUT_S)  # probed back while idle
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # on a slow run Serve's health check (10 s) replaced the stopped replica first
+            print("\nhung draft: Serve restarted the stopped replica before it was resumed")
+    wait_healthy(server, 2 * DRAFT_MAX_TIMEOUT_S)  # probed back (or restarted) while idle
     # Speculation resumes: the draft, just woken, may still be working off what it was sent while
     # stopped, so a request right after can still fall back; within a draft timeout one drafts again.
     deadline, stats = time.monotonic() + 2 * DRAFT_MAX_TIMEOUT_S, {}
