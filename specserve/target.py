@@ -169,11 +169,12 @@ class TargetSide:
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.backend.free(request_id)
-            sharing = self._by_prompt.get(tuple(seq.token_ids[:seq.stopper.prompt_len - 1]))
+            key = tuple(seq.token_ids[:seq.stopper.prompt_len - 1])
+            sharing = self._by_prompt.get(key)
             if sharing is not None:
                 sharing.discard(request_id)
                 if not sharing:
-                    del self._by_prompt[tuple(seq.token_ids[:seq.stopper.prompt_len - 1])]
+                    del self._by_prompt[key]
 
     def room(self, seq: TargetSeq) -> int:
         """How many draft tokens this sequence can still use (context and max_tokens)."""
