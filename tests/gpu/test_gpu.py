@@ -77,3 +77,35 @@ def test_nccl_tensor_path(tiny_pair):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@needs_cuda
+@pytest.mark.parametrize("head", ["eagle3", "eagle"])
+def test_a_head_on_cuda_equals_target_only(tmp_path, head):
+    """The target's hidden rows, captured on the GPU, feed an EAGLE head on the GPU; greedy output is the target's."""
+    from ..conftest import make_model
+    from ..heads import make_eagle3_head, make_eagle_head
+
+    make_model(tmp_path / "target", seed=0, tokenizer=True, hidden=64, layers=4)
+    target = str(tmp_path / "target")
+    path = (make_eagle3_head(tmp_path / head, target, layer_ids=[1, 2, 3]) if head == "eagle3"
+            else make_eagle_head(tmp_path / head, target, seed=4))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(target, dtype="float64", device="cuda") as llm:
+        ref = llm.generate(PROMPTS, params, use_tqdm=False)
+    with LLM(target, draft=path, num_speculative_tokens=3, dtype="float64", device="cuda", adaptive=False) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@needs_cuda
+def test_the_same_prompt_is_prefilled_once_on_cuda(tiny_pair):
+    """The prompt's KV rows are copied on the GPU (``HFBackend.fork``); outputs equal each prompt run alone."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = PROMPTS[2]
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64", device="cuda") as llm:
+        alone = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+        outs = llm.generate([prompt, PROMPTS[0], prompt], params, use_tqdm=False)
+        assert llm.metrics()["num_prefills_shared"] == 1
+    assert outs[0].token_ids == alone and outs[2].token_ids == alone
