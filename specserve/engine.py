@@ -87,6 +87,9 @@ class EngineCore(RequestQueue):
         self.waiting: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.step_id = 0
         self.first_step_drafts = False  # a new sequence's first step without drafts (config: speculation.first_step_drafts)
+        # Where first tokens taken from the prefill go at once (the loop's delivery), so they wait for no
+        # verify; None: with the step's other deltas.
+        self.on_deltas: Callable[[list[StepDelta]], None] | None = None
         self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (is the next step warm?)
         self._last_step_end: float | None = None
         self.totals = SpecMetrics()
@@ -122,8 +125,9 @@ class EngineCore(RequestQueue):
         return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed, hidden)
 
     # -- one step -----------------------------------------------------------------------------
-    def _admit(self, failed: dict[str, Exception]) -> list[str]:
-        """Prefill waiting requests (one batched forward) up to ``max_num_seqs``; their ids."""
+    def _admit(self, result: StepResult) -> list[str]:
+        """Prefill waiting requests (one batched forward) up to ``max_num_seqs``; their ids. First tokens
+        taken from the prefill (``TargetSide.open``) are delivered now, or with the step's deltas."""
         batch = []
         while self.waiting and self.target.num_seqs + len(batch) < self.max_num_seqs:
             rid, prompt, params = self.waiting.popleft()
@@ -131,20 +135,40 @@ class EngineCore(RequestQueue):
         if not batch:
             return []
         start = time.perf_counter()
+        # With drafting in the first step (speculation.first_step_drafts) every first token is verified.
+        first_tokens = not self.first_step_drafts
+        deltas: list[StepDelta] = []
         try:
-            self.target.open(batch)
+            deltas, failed = self.target.open(batch, first_tokens)
         except Exception:  # find the prompt(s) that fail; the others are admitted
+            failed = {}
             for one in batch:
                 try:
-                    self.target.open([one])
+                    more, more_failed = self.target.open([one], first_tokens)
                 except Exception as exc:
                     logger.exception("request %s failed at prefill", one[0])
-                    failed[one[0]] = exc
+                    result.failed[one[0]] = exc
+                    continue
+                deltas += more
+                failed.update(more_failed)
+        for rid, exc in failed.items():
+            self.target.close(rid)
+            result.failed[rid] = exc
+        for d in deltas:
+            self.totals.record(0, 0, False)
+            self.counters["num_generated_tokens"] += len(d.token_ids)
+            if d.finished:
+                self.target.close(d.request_id)
         self.timing["prefill_s"] += time.perf_counter() - start
         if self.pool is not None:
             for rid, *_ in batch:
                 if rid in self.target.seqs:
-                    self.pool.open(rid)
+                    self.pool.open(rid)  # (with the first token, if the prefill gave it)
+        if deltas:
+            if self.on_deltas is not None:
+                self.on_deltas(deltas)
+            else:
+                result.deltas.extend(deltas)
         return [rid for rid, *_ in batch]
 
     def _verify(self, blocks, fallback: set[str], only: list[str]):
@@ -165,7 +189,7 @@ class EngineCore(RequestQueue):
         if self.pool is not None:
             self.pool.poll()
         admitted = time.perf_counter()
-        admitted_ids = self._admit(result.failed)
+        admitted_ids = self._admit(result)
         prefill_s = time.perf_counter() - admitted
         seqs = self.target.seqs
         if not seqs:
@@ -208,7 +232,7 @@ class EngineCore(RequestQueue):
                 self.pool.result(r)
             self.totals.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)
             self.controller.observe_acceptance(d.num_draft_tokens, d.num_accepted_tokens)
-        result.deltas = deltas
+        result.deltas.extend(deltas)
         # The controller learns what the step cost apart from waiting for the drafts (and admitting new
         # requests): the verify and all the bookkeeping around it, which also grows with k.
         cost = (time.perf_counter() - verify_start) + (verify_start - start - prefill_s - (outcome.wait_s if outcome else 0.0))
@@ -225,11 +249,12 @@ class EngineCore(RequestQueue):
         self.controller.observe_cycle(batch, sum(len(d.token_ids) for d in deltas),
                                       end - (self._last_step_end if busy else start) - prefill_s, arm)
         self._last_step_end = end
-        self._account(record, result, end - start, self.target.forward_s - forward_before)
+        self._account(record, result, deltas, end - start, self.target.forward_s - forward_before)
         return result
 
-    def _account(self, rec: StepRecord, result: StepResult, wall_s: float, forward_s: float) -> None:
-        """The step's numbers into the running totals ``metrics`` reads."""
+    def _account(self, rec: StepRecord, result: StepResult, deltas: list[StepDelta], wall_s: float, forward_s: float) -> None:
+        """The step's numbers into the running totals ``metrics`` reads (``deltas``: the verify's; first
+        tokens from the prefill are counted at admission)."""
         t, c, o = self.timing, self.counters, rec.outcome
         if o is not None:
             t["draft_wait_s"] += o.wait_s
@@ -242,7 +267,7 @@ class EngineCore(RequestQueue):
         c["num_cache_hits"] += rec.num_hits
         c["num_blocks"] += rec.num_blocks
         c["num_requests_failed"] += len(result.failed)
-        c["num_generated_tokens"] += sum(len(d.token_ids) for d in result.deltas)
+        c["num_generated_tokens"] += sum(len(d.token_ids) for d in deltas)
         c["num_steps"] += 1
         t["target_forward_s"] += forward_s
         t["wall_s"] += wall_s
@@ -285,6 +310,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
+        core.on_deltas = self._deliver_all  # first tokens from the prefill, before the step's verify
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -336,6 +362,10 @@ class EngineLoop:
         except Exception:  # a broken consumer must not stop the loop
             logger.exception("delivering to request %s failed", rid)
 
+    def _deliver_all(self, deltas: list[StepDelta]) -> None:
+        for d in deltas:
+            self._deliver(d.request_id, d)
+
     def _drain(self) -> None:
         while self._inbox:
             msg = self._inbox.popleft()
@@ -371,8 +401,7 @@ class EngineLoop:
                 continue
             for rid, exc in result.failed.items():
                 self._deliver(rid, RequestFailed(f"request failed ({type(exc).__name__}: {exc})"))
-            for d in result.deltas:
-                self._deliver(d.request_id, d)
+            self._deliver_all(result.deltas)
 
     def shutdown(self) -> None:
         self._stop.set()

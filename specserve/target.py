@@ -1,7 +1,9 @@
 """The target side: owns every sequence's committed tokens and verifies draft blocks, batched.
 
-Data flow per step: ``open`` prefills new prompts (all but the last token, which the first
-verification feeds); ``verify(blocks)`` feeds ``[last committed token] + drafts`` for every
+Data flow per step: ``open`` prefills new prompts and, for greedy and unseeded requests, takes
+their first token from the prefill's last logits, as vLLM does (a seeded sampled request, or one
+that copies another's prompt rows, prefills all but its last token, which its first verification
+feeds); ``verify(blocks)`` feeds ``[last committed token] + drafts`` for every
 live sequence in one forward, runs the batched verifier over all rows at once, then per row
 cuts the result at any stop, commits it and rolls the KV back to ``len(tokens) - 1``
 (invariant: the cache holds every committed token but the last). A row that fails while
@@ -37,7 +39,7 @@ class TargetSeq:
     seed: int  # the request's seed, or one drawn at admission
     processor: SeqProcessor | None = None  # penalties, logit_bias, ... (None: nothing beyond temperature/top-k/top-p)
     prompt_logprobs: list | None = None  # computed by the prefill, sent with the first delta
-    open_hidden: torch.Tensor | None = None  # [len(prompt) - 1, width]: the prefill's rows for a draft head (sent once, at open)
+    open_hidden: torch.Tensor | None = None  # [prefilled positions, width]: the prefill's rows for a draft head (sent once, at open)
 
 
 class TargetSide:
@@ -108,8 +110,14 @@ class TargetSide:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
         return own() if own is not None else vocab_fingerprint(self.tokenizer, self.vocab_size)
 
-    def open(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> None:
-        """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward."""
+    def open(self, requests: list[tuple[str, list[int], SamplingParams, int]], first_tokens: bool = False
+             ) -> tuple[list[StepDelta], dict[str, Exception]]:
+        """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward.
+
+        ``first_tokens``: greedy and unseeded requests that prefill their own prompt get their first
+        token from the prefill (returned as deltas, with the requests that failed taking it), so it
+        waits for no verify step. Seeded sampled requests do not: which draw becomes which token
+        follows the draft blocks from the first step on, and the same seed must give the same output."""
         for rid, prompt, params, seed in requests:
             stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt), self.max_model_len)
             processor = None
@@ -120,7 +128,10 @@ class TargetSide:
                                          grammar)
             self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor)
             self.backend.add(rid)
-        prefill, forks = self._plan_prefill(requests)
+        first = {rid for rid, _, params, _ in requests if first_tokens and (params.greedy or params.seed is None)}
+        prefill, forks = self._plan_prefill(requests, first)
+        first_rows: list[tuple[int, str]] = []  # (prefill row, request) of the sequences whose first token the prefill gives
+        logits = None
         if prefill:
             # Prompt logprobs come from the prefill's own logits: every position's, for the rows that ask.
             num_logits = [len(t) if p.prompt_logprobs is not None else 1 for _, t, p in prefill]
@@ -132,11 +143,16 @@ class TargetSide:
                 raise
             captured = self._captured()  # [rows, width, hidden], right-aligned like the logits
             for row, ((rid, tokens, params), n) in enumerate(zip(prefill, num_logits)):
-                if captured is not None:
-                    self.seqs[rid].open_hidden = captured[row, captured.shape[1] - len(tokens):].clone()
-                if params.prompt_logprobs is not None:
-                    prompt = tokens + [self.seqs[rid].token_ids[-1]]
-                    self.seqs[rid].prompt_logprobs = [None] + logprob_entries(logits[row, -n:], prompt[1:], params.prompt_logprobs, ranks=True)
+                seq = self.seqs[rid]
+                if captured is not None:  # the rows of every prefilled position (the first token's input included)
+                    seq.open_hidden = captured[row, captured.shape[1] - len(tokens):].clone()
+                prompt = seq.token_ids
+                if params.prompt_logprobs is not None and len(prompt) > 1:
+                    # positions 0 .. len(prompt) - 2 score prompt[1:] (a first token's row scores that token)
+                    at = logits[row, logits.shape[1] - n:][: len(prompt) - 1]
+                    seq.prompt_logprobs = [None] + logprob_entries(at, prompt[1:], params.prompt_logprobs, ranks=True)
+                if rid in first:
+                    first_rows.append((row, rid))
         for dst, src, length in forks:
             self.backend.fork(src, dst, length)
             self.num_prefills_shared += 1
@@ -145,24 +161,32 @@ class TargetSide:
                 self.seqs[rid].prompt_logprobs = [None]
             if len(prompt) > 1:
                 self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(rid)
+        if not first_rows:
+            return [], {}
+        rows = torch.tensor([row for row, _ in first_rows], device=logits.device)
+        seqs = [self.seqs[rid] for _, rid in first_rows]
+        deltas, _, failed = self._decide(seqs, [[] for _ in seqs], [None] * len(seqs), logits[rows, -1:], None, set())
+        return deltas, failed
 
-    def _plan_prefill(self, requests) -> tuple[list, list]:
+    def _plan_prefill(self, requests, first: set[str] = frozenset()) -> tuple[list, list]:
         """(rows to prefill, (sequence, source, length) to copy instead): a prompt already cached by a
         live sequence, or prefilled earlier in this batch, is copied. Not with prompt logprobs (they
-        need the prefill's logits) nor a draft head (it needs the prefill's hidden rows)."""
+        need the prefill's logits) nor a draft head (it needs the prefill's hidden rows). A row in
+        ``first`` that is prefilled takes its whole prompt (its first token comes from the last logits);
+        the others all but the last token, which their first verification feeds."""
         fork = getattr(self.backend, "fork", None)
-        prefill, forks, first = [], [], {}
+        prefill, forks, source = [], [], {}
         for rid, prompt, params, _ in requests:
-            if len(prompt) <= 1:
-                continue
             key = tuple(prompt[:-1])
-            if fork is not None and params.prompt_logprobs is None and not self.hidden_layers:
-                src = first.get(key) or next((r for r in self._by_prompt.get(key, ()) if self.backend.num_cached(r) >= len(key)), None)
+            if key and fork is not None and params.prompt_logprobs is None and not self.hidden_layers:
+                src = source.get(key) or next((r for r in self._by_prompt.get(key, ()) if self.backend.num_cached(r) >= len(key)), None)
                 if src is not None:
                     forks.append((rid, src, len(key)))
                     continue
-                first[key] = rid
-            prefill.append((rid, prompt[:-1], params))
+                source[key] = rid
+            tokens = list(prompt) if rid in first else prompt[:-1]
+            if tokens:
+                prefill.append((rid, tokens, params))
         return prefill, forks
 
     def close(self, request_id: str) -> None:
@@ -209,6 +233,12 @@ class TargetSide:
         )  # [batch_size, width, vocab], right-aligned
         self.forward_s += time.perf_counter() - start
         captured = self._captured()  # [batch_size, width, hidden], right-aligned: taken before the logits move
+        return self._decide(seqs, drafts, probs, logits, captured, fallback)
+
+    def _decide(self, seqs: list[TargetSeq], drafts: list[list[int]], probs: list, logits: torch.Tensor,
+                captured: torch.Tensor | None, fallback: set[str]):
+        """Process, verify and commit the logits of one forward (``[batch_size, width, vocab]``,
+        right-aligned; each row's last ``len(drafts[row]) + 1`` belong to it)."""
         batch_size, width, vocab = logits.shape
         k = width - 1
         device = logits.device

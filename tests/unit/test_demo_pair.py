@@ -47,9 +47,10 @@ def test_demo_prompts_at_fixed_k_meet_the_cards_acceptance_range():
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
     accepted = sum(o.metrics.num_accepted_tokens for o in outs)
     assert low <= accepted / drafted <= high, accepted / drafted
-    for o in outs:  # fixed k: every step drafts but a last one with one token of room left; blocks of at most k
+    for o in outs:  # fixed k: blocks of at most k in every step but the first token's (from the prefill), the
+        # step after it (the draft prefills the prompt meanwhile) and a last one with one token of room left
         m = o.metrics
-        assert m.num_steps - 1 <= m.num_drafts <= m.num_steps and m.num_drafts <= m.num_draft_tokens <= 4 * m.num_drafts
+        assert m.num_steps - 3 <= m.num_drafts <= m.num_steps - 2 and m.num_drafts <= m.num_draft_tokens <= 4 * m.num_drafts
         assert m.num_steps <= len(o.token_ids) <= m.num_steps + m.num_accepted_tokens
 
 

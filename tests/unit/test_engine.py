@@ -278,3 +278,28 @@ def test_a_new_sequences_first_token_does_not_wait_for_the_draft(tiny_pair, refe
             assert sampled[0].num_draft_tokens == 3
             outs[first_step_drafts] = [t for d in sampled for t in d.token_ids]
     assert outs[False] == outs[True]
+
+
+def test_the_first_token_comes_from_the_prefill(tiny_pair, reference):
+    """Greedy and unseeded requests take their first token from the prefill's last logits, before any
+    verify step: a one-token request needs no step and an n-token one n - 1 (with first_step_drafts,
+    which verifies every first token, one more). Tokens, logprobs and prompt logprobs are the same."""
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    seen = {}
+    for first_step_drafts in (False, True):
+        extra = int(first_step_drafts)
+        with LLM(tiny_pair["target"], dtype="float64", first_step_drafts=first_step_drafts) as llm:
+            steps = lambda: llm.metrics()["num_steps"]  # noqa: E731
+            outs = llm.generate(PROMPTS[:4], one, use_tqdm=False)  # (one admission batch)
+            assert [o.token_ids for o in outs] == [r[:1] for r in reference[:4]]
+            assert steps() == extra
+            assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].token_ids == reference[2]
+            assert steps() == extra + GREEDY.max_tokens - 1 + extra
+            unseeded = llm.generate([PROMPTS[2]], SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+            assert len(unseeded[0].token_ids) == 1 and steps() == extra + GREEDY.max_tokens - 1 + 2 * extra
+            seen[first_step_drafts] = [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(PROMPTS[:6], scored, use_tqdm=False)]
+    for (tokens, lps, plps), (tokens2, lps2, plps2) in zip(seen[False], seen[True]):
+        assert tokens == tokens2 and len(lps) == len(tokens) and len(plps) == len(plps2)
+        assert all(a[0][0] == b[0][0] and abs(a[0][1] - b[0][1]) < 1e-9 for a, b in zip(lps, lps2))
+        assert all(a == b or abs(a[0][1] - b[0][1]) < 1e-9 for a, b in zip(plps, plps2))
