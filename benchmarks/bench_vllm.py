@@ -190,6 +190,8 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
         return out
     for delay in args.delays_ms:
         out[f"specserve d={delay:g}ms"] = lambda delay=delay: SpecserveRunner(target, draft, {**common, "channel_delay_ms": delay}, options)
+    # specserve's own transformers engine with the same remote draft (what the first-token and controller changes touch)
+    out["specserve own engine"] = lambda: SpecserveRunner(target, draft, common, options, own_engine=True)
     if args.systems and "specserve niceness 15" in args.systems:  # opt-in A/B: the sides as Ray starts its workers
         out["specserve niceness 15"] = lambda: SpecserveRunner(target, draft, {**common, "normal_priority": False}, options)
     if not args.quick:

@@ -165,7 +165,12 @@ class TargetSide:
             return [], {}
         rows = torch.tensor([row for row, _ in first_rows], device=logits.device)
         seqs = [self.seqs[rid] for _, rid in first_rows]
-        deltas, _, failed = self._decide(seqs, [[] for _ in seqs], [None] * len(seqs), logits[rows, -1:], None, set())
+        try:
+            deltas, _, failed = self._decide(seqs, [[] for _ in seqs], [None] * len(seqs), logits[rows, -1:], None, set())
+        except BaseException:  # as a failed prefill: nothing of this batch stays open (the engine retries one by one)
+            for rid, _, _, _ in requests:
+                self.close(rid)
+            raise
         return deltas, failed
 
     def _plan_prefill(self, requests, first: set[str] = frozenset()) -> tuple[list, list]:

@@ -303,3 +303,46 @@ def test_the_first_token_comes_from_the_prefill(tiny_pair, reference):
         assert tokens == tokens2 and len(lps) == len(tokens) and len(plps) == len(plps2)
         assert all(a[0][0] == b[0][0] and abs(a[0][1] - b[0][1]) < 1e-9 for a, b in zip(lps, lps2))
         assert all(a == b or abs(a[0][1] - b[0][1]) < 1e-9 for a, b in zip(plps, plps2))
+
+
+@pytest.mark.parametrize("where", ["commit", "batch"])
+def test_a_first_token_that_fails_fails_its_request_alone(tiny_pair, reference, monkeypatch, where):
+    """The first token from the prefill fails like any step's: one sequence's commit fails that request
+    only ("commit"); a failure of the whole batched decision leaves nothing open, and the engine
+    admits the prompts one by one, so only the failing one fails ("batch")."""
+    poisoned = PROMPTS[4]
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        if where == "commit":
+            original = TargetSide._commit
+
+            def commit(self, s, *args):
+                if s.token_ids == poisoned:
+                    raise RuntimeError("boom")
+                return original(self, s, *args)
+
+            monkeypatch.setattr(TargetSide, "_commit", commit)
+        else:
+            original = TargetSide._decide
+
+            def decide(self, seqs, *args):
+                if any(s.token_ids == poisoned for s in seqs):
+                    raise RuntimeError("boom")
+                return original(self, seqs, *args)
+
+            monkeypatch.setattr(TargetSide, "_decide", decide)
+
+        async def one(i):
+            try:
+                return [t async for d in llm.stream(PROMPTS[i], GREEDY) for t in d.token_ids]
+            except RequestFailed as exc:
+                return exc
+
+        async def main():
+            return await asyncio.gather(*[one(i) for i in (3, 4, 5)])
+
+        results = asyncio.run(main())
+        assert isinstance(results[1], RequestFailed) and "boom" in str(results[1])
+        assert [results[0], results[2]] == [reference[3], reference[5]]
+        assert not llm._engine.loop.core.target.seqs  # nothing left open
+        monkeypatch.setattr(TargetSide, "_decide" if where == "batch" else "_commit", original)
+        assert llm.generate([poisoned], GREEDY, use_tqdm=False)[0].token_ids == reference[4]
