@@ -107,9 +107,13 @@ class Router:
         self.tokenizer = None
         self._info_lock = asyncio.Lock()
         self._poller: asyncio.Task | None = None
+        self._warming: asyncio.Task | None = None  # fetching the target's info and tokenizer ahead of the first request
         self._streams_open: dict[str, int] = {}  # direct streams open per target replica (the router's load balance)
         self._avoid: dict[str, float] = {}  # target replica -> until when not to open direct streams to it
         self.created = int(time.time())
+        # transformers' tokenizer classes take seconds to import (measured: 4.4 s of a 4.8 s first request,
+        # demo pair): import them while the models load, not on the first request.
+        from transformers import AutoTokenizer  # noqa: F401
         asyncio.get_running_loop().call_soon(self._ensure_poller)  # Serve builds replicas on their loop: watch (and say "ready") at once
 
     # -- the registry ---------------------------------------------------------------------------
@@ -123,10 +127,20 @@ class Router:
                 logger.debug("registry poll failed: %s", exc)
             targets, drafts = len(self.snapshot["target"]), len(self.snapshot["draft"])
             connected = all(t.get("draft_up") for t in self.snapshot["target"].values())
-            if not announced and targets and (not self.cfg.speculative or (drafts and connected)):
+            if targets and self.info is None and (self._warming is None or self._warming.done()):
+                # The target's info and tokenizer before the first request needs them (a task of its own:
+                # the snapshot the fast 503 reads keeps its pace meanwhile).
+                self._warming = asyncio.get_running_loop().create_task(self._warm())
+            if not announced and targets and self.info is not None and (not self.cfg.speculative or (drafts and connected)):
                 announced = True  # `serve run` forwards this line: it says when to connect
                 logger.warning("ready: model id %r, %d target and %d draft replica(s) up", self.model_name, targets, drafts)
             await asyncio.sleep(REGISTRY_POLL_S)
+
+    async def _warm(self) -> None:
+        try:
+            await self._ready()
+        except Exception as exc:  # not ready yet: the next poll tries again (a request would, too)
+            logger.debug("router warm-up: %s", exc)
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
@@ -312,7 +326,8 @@ class Router:
                 pass
         age = time.monotonic() - self.snapshot_at if self.snapshot_at else None
         targets, drafts = self.snapshot["target"], self.snapshot["draft"]
-        body = {"targets": len(targets), "drafts": len(drafts), "registry_age_s": None if age is None else round(age, 2)}
+        body = {"targets": len(targets), "drafts": len(drafts), "registry_age_s": None if age is None else round(age, 2),
+                "router": "ready" if self.info is not None else "warming"}  # (warming: the target's tokenizer not fetched yet)
         if not targets:
             return JSONResponse({"status": "unavailable", **body, "detail": "no target replica is alive"}, status_code=503)
         speculative = self.cfg.speculative

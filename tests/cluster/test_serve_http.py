@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM
 from specserve import LLM, SamplingParams
 from specserve.reference import reference_generate
 
+from ..conftest import wait_until
 from .conftest import free_port, node_labels, serve_actors
 
 API_KEY = "test-key"
@@ -122,6 +123,13 @@ def post(server, body, stream=False, timeout=60):
 def stream_text(raw: str) -> tuple[list[int] | str, list[dict]]:
     events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
     return "".join(e["choices"][0]["text"] for e in events if e.get("choices")), events
+
+
+def test_the_router_is_warm_before_the_first_request(server):
+    """The router fetches the target's info and tokenizer (and imports transformers' tokenizer classes,
+    seconds) while the app starts, not on the first request: /health says so before any completion."""
+    assert wait_until(lambda: httpx.get(f"{server}/health", timeout=10).json().get("router") == "ready", 120,
+                      message="the router fetched the target's tokenizer")
 
 
 def test_models(client):
