@@ -8,9 +8,7 @@ the output rank only (vLLM uses that rank's drafts; the other tensor-parallel ra
 empty lists), each batch row becomes draft-protocol deltas in a ``DraftPool``: a new request
 an ``OpenSeq``, the tokens committed since the last step a ``VerifyResult`` (base_len; the
 block prefix they match, i.e. accepted drafts; the tokens appended), a finished request a
-``CloseSeq``; then one ``ProposeRequest`` per draft asks k tokens per sequence (a sequence
-that begins this step is asked from the next one, unless seeded and sampled: its open goes out
-now, with the others' asks or unawaited, so the draft prefills its prompt off the critical path). Each step's k
+``CloseSeq``; then one ``ProposeRequest`` per draft asks k tokens per sequence. Each step's k
 comes from the same goodput controller as specserve's own engine (``adaptive.py``: measured
 acceptance per position, the verify's cost by batch size and width, timed around the
 runner's ``execute_model``, the draft's reply time and hit rate): k = 0 asks nothing and
@@ -256,7 +254,6 @@ class RemoteDraftProposer:
         self.step_stats = {}
         req_ids = self.runner.input_batch.req_ids
         live, widest, prefill, decoded = {}, 0, False, 0  # request id -> (row, sequence); decode tokens this step
-        opened = []  # sequences that begin this step (their first token came from vLLM's prefill)
         for i in range(n):  # per row only what cannot wait: the committed length, and last step's block's fate
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
@@ -268,7 +265,6 @@ class RemoteDraftProposer:
                 prefill = True
                 # .tolist(): the whole prompt travels in the OpenSeq.
                 seq = self._open(rid, token_ids_cpu[i, :length].tolist())
-                opened.append(rid)
             else:
                 decoded += 1 + (len(scheduled.get(rid, ())) if scheduled is not None else 0)
             if seq.verifying or seq.fallback:
@@ -294,17 +290,11 @@ class RemoteDraftProposer:
         wants = plan_draft_lengths(self.controller, len(live), have,
                                    ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
                                    cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
-        # A sequence that begins this step asks for no block yet (seeded sampled ones do: their blocks are
-        # part of what the seed decides): the draft prefills its prompt off the critical path, instead of
-        # this step (the batch, and the new request's first token) waiting for that prefill.
-        held = [rid for rid in opened if rid in wants and not self.seqs[rid].seeded]
-        for rid in held:
-            del wants[rid]
         arm = self.controller.arm if wants or not (self.controller.arm and self.controller.arm[0]) else None
         previous = self._asked[2] if self._asked is not None else None
         if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
             self._asked = None
-            if have and (held or self.controller.push_due(len(live))):
+            if have and self.controller.push_due(len(live)):
                 for rid, (i, seq) in live.items():
                     if rid in self.seqs:
                         self._tell(rid, seq, token_ids_cpu[i])

@@ -109,53 +109,30 @@ class FakeModelRunner:
 def test_opens_results_closes_and_rows_by_request_id():
     draft = FakeDraft()
     runner = FakeModelRunner(draft)
-    # step 1: two prompts prefilled, one token each. A sequence's first step asks no block (the draft
-    # prefills the prompt off the critical path): the opens go out unawaited.
+    # step 1: two prompts prefilled, one token each
     out = runner.step({"a": [1, 2, 3, 10], "b": [5, 6, 20]})
-    assert out == [[], []]
+    assert out == [[11, 12, 13], [21, 22, 23]]
     req = draft.requests[-1]
     assert [(o.request_id, o.token_ids, o.temperature) for o in req.opens] == [("a", [1, 2, 3, 10], 0.0), ("b", [5, 6, 20], 0.0)]
-    assert req.request_ids == []
-    # step 2: both asked now
-    out = runner.step({"a": [11], "b": [21]})
-    assert out == [[12, 13, 14], [22, 23, 24]] and draft.requests[-1].num_draft_tokens == [K, K]
-    # step 3, rows swapped: a accepted 2 drafts + recovered 99; b accepted all 3 + bonus 25
-    out = runner.step({"b": [22, 23, 24, 25], "a": [12, 13, 99]})
-    assert out == [[26, 27, 28], [100, 101, 102]]
+    assert req.num_draft_tokens == [K, K]
+    # step 2, rows swapped: a accepted 2 drafts + recovered 99; b accepted all 3 + bonus 24
+    out = runner.step({"b": [21, 22, 23, 24], "a": [11, 12, 99]})
+    assert out == [[25, 26, 27], [100, 101, 102]]
     results = {r.request_id: r for r in draft.requests[-1].results}
-    assert (results["a"].base_len, results["a"].num_accepted, results["a"].token_ids) == (5, 2, [12, 13, 99])
-    assert (results["b"].base_len, results["b"].num_accepted, results["b"].token_ids) == (4, 3, [22, 23, 24, 25])
+    assert (results["a"].base_len, results["a"].num_accepted, results["a"].token_ids) == (4, 2, [11, 12, 99])
+    assert (results["b"].base_len, results["b"].num_accepted, results["b"].token_ids) == (3, 3, [21, 22, 23, 24])
     assert runner.drafter.step_stats == {"a": (3, 2, False), "b": (3, 3, False)}
     # a finishes: the runner's hook closes it; the close rides on the next request
     runner.finish("a")
-    runner.step({"b": [26, 7]})
+    runner.step({"b": [25, 7]})
     assert [c.request_id for c in draft.requests[-1].closes] == ["a"]
-    assert draft.tokens["b"] == [5, 6, 20, 21, 22, 23, 24, 25, 26, 7]  # the draft's copy matches the target's
-
-
-def test_a_new_sequence_asks_no_block_until_the_draft_has_its_prompt_unless_seeded():
-    """vLLM's prefill gave the first token; asking a block at once would make the step (and that token)
-    wait for the draft to prefill the prompt. A new greedy sequence waits a step (its open goes along
-    with the others' asks, or alone, unawaited); a seeded sampled one is asked at once."""
-    draft = FakeDraft()
-    runner = FakeModelRunner(draft)
-    runner.step({"a": [1, 2, 3]})
-    assert runner.step({"a": [5]}) == [[6, 7, 8]]
-    out = runner.step({"a": [6, 7, 8, 9], "b": [4, 4, 4]})  # b begins while a is asked
-    assert out == [[10, 11, 12], []]
-    req = draft.requests[-1]
-    assert req.request_ids == ["a"] and [o.request_id for o in req.opens] == ["b"]
-    runner.requests["c"] = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=50, seed=3, temperature=0.8),
-                                           output_token_ids=[], all=[])
-    out = runner.step({"a": [10, 11, 12, 13], "b": [5], "c": [7, 7]})
-    assert out[2] == [8, 9, 10]  # seeded and sampled: its blocks are part of what the seed decides
+    assert draft.tokens["b"] == [5, 6, 20, 21, 22, 23, 24, 25, 7]  # the draft's copy matches the target's
 
 
 def test_drafts_never_exceed_max_tokens():
     draft = FakeDraft()
-    runner = FakeModelRunner(draft, max_tokens=4)
-    assert runner.step({"a": [1, 2, 3]}) == [[]]  # (a new sequence's first step asks no block)
-    assert runner.step({"a": [4]}) == [[5]]  # 2 output tokens so far: room for 1 draft + the bonus token
+    runner = FakeModelRunner(draft, max_tokens=3)
+    assert runner.step({"a": [1, 2, 3]}) == [[4]]  # 1 output token so far: room for 1 draft + the bonus token
 
 
 def test_a_failing_draft_means_empty_proposals():
