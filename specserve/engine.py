@@ -155,7 +155,7 @@ class EngineCore(RequestQueue):
             self.target.close(rid)
             result.failed[rid] = exc
         for d in deltas:
-            self.totals.record(0, 0, False)
+            self.totals.record(d.num_draft_tokens, d.num_accepted_tokens, d.fallback)  # (as the verify's deltas are)
             self.counters["num_generated_tokens"] += len(d.token_ids)
             if d.finished:
                 self.target.close(d.request_id)
