@@ -7,7 +7,8 @@ greedy request of ``--max-tokens`` tokens through:
 - ``ray actor``: ``LLM(target, ray=True).stream`` (the target in a Ray actor, a streaming call);
 - ``serve handle``: ``specserve.connect(app).stream`` (the app's router deployment, then its target
   replica, no HTTP);
-- ``http``: the ``openai`` client with ``stream=True`` against the same app (Serve's proxy first).
+- ``http``: the ``openai`` client with ``stream=True`` against the same app: on the router replica's
+  own port (Serve's direct ingress, what ``specserve serve`` sets up), and through Serve's proxy.
 
 The last two run twice: with the router streaming from the target over a direct connection (the
 default, ``server.direct_streams``) and through a Serve handle call. Each step down adds one hop,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -75,6 +77,7 @@ def main(argv=None) -> int:
     import specserve
     from specserve import LLM, SamplingParams
     from specserve.serve import build_app
+    from specserve.serve.ingress import direct_ingress_env, start_serve
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     side = {"num_cpus": 0.25}
@@ -82,13 +85,14 @@ def main(argv=None) -> int:
     with LLM(args.target, draft=args.draft) as llm:
         run_llm(llm, params, 3)
         rows["in-process"] = _stats(run_llm(llm, params, args.requests))
+    os.environ.update(direct_ingress_env(args.port))  # as `specserve serve` starts its Ray: the router serves --port
     ray.init(num_cpus=4, log_to_driver=False, include_dashboard=False)
     try:
         llm = LLM(args.target, draft=args.draft, ray=True, target_num_cpus=0.25, draft_num_cpus=0.25)
         run_llm(llm, params, 3)
         rows["ray actor"] = _stats(run_llm(llm, params, args.requests))
         llm.shutdown()
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port}, logging_config={"log_level": "WARNING"})
+        assert start_serve("127.0.0.1", args.port, logging_config={"log_level": "WARNING"})  # Serve's proxy: --port + 1
         for direct in (True, False):  # the router's streams from the target: direct TCP (the default), or Serve's handle
             how = "direct stream" if direct else "Serve handle hop"
             config = {"target": {"model": args.target, **side}, "server": {"direct_streams": direct}}
@@ -113,13 +117,14 @@ def main(argv=None) -> int:
                 async for c in chunks:
                     yield bool(c.choices and c.choices[0].text)
 
-            async def http_all(n):  # (a client per event loop: its connections belong to the loop)
-                async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0,
+            async def http_all(n, port):  # (a client per event loop: its connections belong to the loop)
+                async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
                                               timeout=120) as http:
                     return [await _timed(http_stream(http)) for _ in range(n)]
 
-            asyncio.run(http_all(3))
-            rows[f"http, {how}"] = _stats(asyncio.run(http_all(args.requests)))
+            for ingress, port in (("router's own port", args.port), ("Serve's proxy", args.port + 1)):
+                asyncio.run(http_all(3, port))
+                rows[f"http ({ingress}), {how}"] = _stats(asyncio.run(http_all(args.requests, port)))
             serve.delete("bench-http")
     finally:
         serve.shutdown()

@@ -126,17 +126,21 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--servers", default=None, help="only these, comma-separated, as the table names them")
     parser.add_argument("--shared-cores", action="store_true", help="every process on every core (no device emulation)")
-    parser.add_argument("--port", type=int, default=8141, help="specserve's port (Serve's proxy); vLLM's servers use the next")
+    parser.add_argument("--port", type=int, default=8141, help="specserve's port; Serve's proxy takes the next (direct ingress) and vLLM's servers the one after")
+    parser.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
+                        help="how HTTP reaches specserve's router: the router replica's own server (Serve's direct ingress, "
+                             "the default of `specserve serve`) or Serve's proxy [direct]")
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args(argv)
 
     from ray import serve
 
     from specserve.config import resolve_model
+    from specserve.serve.ingress import SWITCH, direct_ingress_env, start_serve
 
     target, draft = resolve_model(args.target), resolve_model(args.draft)
     levels = [int(c) for c in args.concurrency.split(",")]
-    vllm_port = args.port + 1  # Serve's proxy holds --port
+    vllm_port = args.port + 2  # the router (or Serve's proxy) holds --port, and under direct ingress the proxy the next
     servers = {"vllm serve": lambda: VLLMServer(target, None, args.k, vllm_port, logs / "vllm.log"),
                f"vllm serve colocated k={args.k}": lambda: VLLMServer(target, draft, args.k, vllm_port, logs / "vllm-colocated.log"),
                "specserve serve": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False),
@@ -155,12 +159,17 @@ def main(argv=None) -> int:
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     rows = []
+    if args.ingress == "direct":  # the cluster's head reads it when it starts, as `specserve serve` does
+        os.environ.update(direct_ingress_env(args.port))
+    else:
+        os.environ.pop(SWITCH, None)
     with local_cluster(two_device=not args.shared_cores) as cluster:
         where = ("shared cores" if cluster.target_cpus is None else
                  f"two-device harness: target, vLLM's servers and the client on cores {sorted(cluster.target_cpus)}, "
                  f"specserve's draft on {sorted(cluster.draft_cpus)}")
         print(where, flush=True)
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port}, logging_config={"log_level": "WARNING"})
+        start_serve("127.0.0.1", args.port, logging_config={"log_level": "WARNING"})
+        where += f"; HTTP to specserve through {'the router replica (direct ingress)' if args.ingress == 'direct' else 'Serve proxy'}"
         for name, start in servers.items():
             print(f"starting {name} ...", flush=True)
             server = start()

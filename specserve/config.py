@@ -112,7 +112,7 @@ class ClusterConfig(_Section):
     use_role_labels: bool | Literal["auto"] = Field("auto", description="Pin sides by the role label: true, false, or auto (when some node has it).")
     placement_timeout_s: float = Field(30.0, gt=0, description="How long to wait for the sides' resources before failing.")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="Ray runtime_env for the specserve actors.")
-    normal_priority: bool = Field(True, description="Run the model actors at normal CPU priority instead of Ray's worker niceness (15), so Ray's own daemons do not preempt a step on a busy host (needs CAP_SYS_NICE; otherwise they stay as Ray started them).")
+    normal_priority: bool = Field(True, description="Run the model actors and the HTTP router at normal CPU priority instead of Ray's worker niceness (15), so Ray's own daemons do not preempt a step on a busy host and a target step on the same cores does not starve the router (needs CAP_SYS_NICE; otherwise they stay as Ray started them).")
 
 
 class ServerConfig(_Section):
@@ -126,7 +126,8 @@ class ServerConfig(_Section):
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation request may take; then it is aborted (503 before output, an in-band error after).")
     router_num_cpus: float = Field(0.1, ge=0, description="Ray: CPUs reserved for each HTTP router replica.")
-    router_num_replicas: int = Field(1, ge=1, description="HTTP router replicas.")
+    router_num_replicas: int = Field(1, ge=1, description="HTTP router replicas (under direct ingress on ports port .. port + n - 1 of the head node).")
+    ingress: Literal["direct", "proxy"] = Field("direct", description="How HTTP reaches the router when `specserve serve` starts Ray: direct (the router replica serves the port itself, Serve's direct ingress; Serve's proxy moves to the next free port after the router's) or proxy (Serve's proxy on the port, one more hop per request and chunk). A cluster you join decides by its head's environment (see cluster/README.md).")
     direct_streams: bool = Field(True, description="Stream each request's tokens from its target replica to the router over an authenticated TCP connection instead of a Serve handle call (faster first token and per-token delivery; the handle remains the fallback).")
     stream_token: str | None = Field(None, description="Secret the router proves to target replicas on direct streams (generated per app when unset).")
 

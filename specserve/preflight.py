@@ -61,13 +61,14 @@ def check_devices(cfg: SpecserveConfig, distributed: bool) -> None:
                                  "(a CPU build, or no GPU): use --device cpu or install a CUDA build of torch")
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, what: str = "") -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise ValueError(f"port {port} on {host} is not free ({exc.strerror}): stop what uses it or pass --port") from None
+            raise ValueError(f"port {port} on {host} is not free ({exc.strerror}){' ' + what if what else ''}: "
+                             "stop what uses it or pass --port") from None
 
 
 def preflight(cfg: SpecserveConfig, distributed: bool, http: bool = False) -> None:

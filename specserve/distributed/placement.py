@@ -41,6 +41,13 @@ def sigint_shielded():
         signal.signal(signal.SIGINT, previous)
 
 
+def will_start_ray(cluster: ClusterConfig) -> bool:
+    """Will ``connect`` start a fresh local Ray (rather than join one)?"""
+    import ray
+
+    return not ray.is_initialized() and (cluster.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+
+
 def connect(cluster: ClusterConfig, log_to_driver: bool = True) -> bool:
     """Join the named cluster, or start a fresh local one. True when this call started Ray."""
     import ray

@@ -15,6 +15,7 @@ import os
 from ray import serve
 
 from ..config import SpecserveConfig
+from .ingress import router_placement
 from .router import Router
 
 logger = logging.getLogger("specserve.serve")
@@ -92,6 +93,6 @@ def build_app(args: dict) -> serve.Application:
         draft = serve.deployment(DraftWorker, **_side_options(cfg.draft, "draft", cfg)).bind(dump, registry)
     target = serve.deployment(TargetWorker, **target_opts).bind(dump, None, registry, draft)
     router = serve.deployment(Router, name="Router", num_replicas=cfg.server.router_num_replicas,
-                              ray_actor_options={"num_cpus": cfg.server.router_num_cpus},
+                              ray_actor_options={"num_cpus": cfg.server.router_num_cpus, **router_placement()},
                               max_ongoing_requests=max(1000, 2 * cfg.server.max_pending_requests))
     return router.bind(dump, target, registry)

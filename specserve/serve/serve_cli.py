@@ -22,7 +22,8 @@ logger = logging.getLogger("specserve")
 class _DropMessages(logging.Filter):
     """Silence Serve lines that mislead here (our http options are applied by ``serve.start``)."""
 
-    NOISE = ("New http_options/controller_options will not be applied",)
+    NOISE = ("New http_options/controller_options will not be applied",
+             "is ready at http")  # Serve's proxy URL; ours follows as "ready:" (under direct ingress the router's port)
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(n in record.getMessage() for n in self.NOISE)
@@ -73,20 +74,32 @@ def deployment_errors(app_name: str) -> list[str]:
 def run_server(cfg, app_name: str = "specserve") -> int:
     from ray import serve
 
-    from ..distributed.placement import connect
-    from ..preflight import preflight
+    from ..distributed.placement import connect, will_start_ray
+    from ..preflight import check_port, preflight
+    from . import ingress
     from .app import build_app
+    from .ingress import direct_ingress_env, start_serve
 
     cfg = with_api_key(cfg)
     preflight(cfg, distributed=True, http=True)
-    host, port = cfg.server.host, cfg.server.port
+    host, port, routers = cfg.server.host, cfg.server.port, cfg.server.router_num_replicas
+    if will_start_ray(cfg.cluster):  # Serve reads its ingress switch from the environment its head starts with
+        if cfg.server.ingress == "direct":
+            for extra in range(port + 1, port + routers + 1):  # the other router replicas' ports, then Serve's proxy's
+                check_port(host, extra, what="under direct ingress (server.ingress: proxy uses the port alone)")
+            os.environ.update(direct_ingress_env(port, routers))
+        else:
+            os.environ.pop(ingress.SWITCH, None)
     started = connect(cfg.cluster)
     # Ray replaced the SIGTERM handler (a C++ stack dump): stop as cleanly as on Ctrl-C instead.
     signal.signal(signal.SIGTERM, _interrupt)
     logging.getLogger("ray.serve").addFilter(_DropMessages())
     try:
         # Serve's own actors at WARNING: the nodes' model-loading progress stays readable.
-        serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
+        if not start_serve(host, port, routers, logging_config={"log_level": "WARNING"}) and not started:
+            print("note: this Ray cluster's Serve has no direct ingress, so requests go through Serve's proxy (slower "
+                  f"under load); start its head with `{ingress.shell_exports(port, routers)} ray start --head ...` "
+                  "(cluster/README.md)", flush=True)
         draft = cfg.draft.model or cfg.draft.drafter if cfg.draft is not None else "none (target-only)"
         print(f"deploying: target {cfg.target.model} x{cfg.target.num_replicas}, draft {draft}"
               f"{' x' + str(cfg.draft.num_replicas) if cfg.draft is not None else ''} "
@@ -95,6 +108,8 @@ def run_server(cfg, app_name: str = "specserve") -> int:
             serve.run(build_app(cfg.model_dump()), name=app_name, route_prefix="/")
         except RuntimeError as exc:
             causes = deployment_errors(app_name) or [str(exc).strip().splitlines()[-1]]
+            causes = [f"Router: port {port} on {host} could not be bound (another server holds it, or its connections were "
+                      "still closing after 90 s): pass another --port" if "NoAvailablePortError" in c else c for c in causes]
             print("specserve: error: the app failed to start:\n  " + "\n  ".join(causes), file=sys.stderr)
             return 1
         key_note = " (API key required)" if cfg.server.api_key else ""

@@ -186,6 +186,7 @@ def test_readme_http_walkthrough(tmp_path):
         assert body["model"] == "demo" and body["choices"][0]["text"] and body["specserve"]["num_steps"] > 0
         out = run_python(block("openai"), tmp_path).stdout
         assert len(out.strip().splitlines()) >= 2
+        assert httpx.get("http://127.0.0.1:8000/health", timeout=30).json()["ingress"] == "direct"  # no proxy hop
     finally:
         output = server.stop()
     assert "loading target" in output and "loading draft" in output  # progress from the nodes
@@ -273,29 +274,38 @@ def test_startup_errors_arrive_before_ray_starts(tmp_path, args, message):
     assert "Started a local Ray instance" not in output and "Started Serve" not in output
 
 
-def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path):
+@pytest.mark.parametrize("head_ingress", ["proxy", "direct"])
+def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path, head_ingress):
     """SPECSERVE_API_KEY in the shell of `specserve serve --address <running cluster>` is enforced
-    by the router replica, whose own environment does not have it."""
-    from .conftest import free_port
+    by the router replica, whose own environment does not have it. The cluster's head decides the
+    ingress: a plain one serves through Serve's proxy (and the CLI says how to change that), one
+    started as cluster/*.yaml start theirs serves from the router itself."""
+    from specserve.serve.ingress import direct_ingress_env
+
+    from ..conftest import free_port, free_ports
 
     gcs_port = free_port()
+    port = free_ports(2)
     no_token = {"RAY_AUTH_MODE": "disabled"}  # someone else's plain cluster (token auth is cluster/README's topic)
+    if head_ingress == "direct":
+        no_token.update(direct_ingress_env(port))
     # `--block` keeps `ray start` in the foreground; Ctrl-C (Server.stop) makes it stop the processes
     # it started, and only those (`ray stop` would stop every Ray on this machine: other tests',
     # other users').
     head = Server(f"ray start --head --block --port={gcs_port} --num-cpus=2 --include-dashboard=false --disable-usage-stats",
                   r"Ray runtime started|will now block", tmp_path, extra_env=no_token)
     address = f"127.0.0.1:{gcs_port}"
-    port = free_port()
     try:
         server = Server(f"specserve serve --target demo:target --address {address} --port {port}", r"^ready:", tmp_path,
-                        extra_env={"SPECSERVE_API_KEY": "s3cret", **no_token})
+                        extra_env={"SPECSERVE_API_KEY": "s3cret", "RAY_AUTH_MODE": "disabled"})
         try:
             url = f"http://127.0.0.1:{port}/v1/completions"
             body = {"model": "demo", "prompt": "def f(x):", "max_tokens": 4}
             assert httpx.post(url, json=body, timeout=60).status_code == 401
             assert httpx.post(url, json=body, timeout=60, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).json()["ingress"] == head_ingress
         finally:
-            server.stop()
+            output = server.stop()
+        assert ("has no direct ingress" in output) == (head_ingress == "proxy"), output[-3000:]
     finally:
         head.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +28,8 @@ from specserve import LLM, SamplingParams
 from specserve.reference import reference_generate
 
 from ..conftest import wait_until
-from .conftest import free_port, node_labels, serve_actors
+from ..conftest import free_ports
+from .conftest import node_labels, serve_actors, start_cluster, stop_cluster
 
 API_KEY = "test-key"
 PROMPT_IDS = [5, 6, 7, 8]
@@ -66,13 +68,37 @@ def wait_healthy(base: str, timeout: float = 300, want=("ok",)) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, chat_pair):
+def http_port():
+    return free_ports(3)  # the routers' (this app's, and test_chat_without_template_is_400's), then Serve's proxy's
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(http_port):
+    """The module's cluster, its head started with Serve's direct ingress on the app's port, as
+    `specserve serve` starts its own Ray: the router replica serves HTTP itself."""
+    from specserve.serve.ingress import direct_ingress_env
+
+    env = direct_ingress_env(http_port, router_replicas=2)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        cluster = start_cluster()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    yield cluster
+    stop_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster, chat_pair, http_port):
     from ray import serve
 
     from specserve.serve import build_app
+    from specserve.serve.ingress import start_serve
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = http_port
+    assert start_serve("127.0.0.1", port), "the head started without direct ingress"
     target, draft = chat_pair
     # Fixed k: a request's speculation counts are then a function of its greedy output (adaptive k
     # follows measured timings and may turn speculation off for this tiny pair). The draft-reply
@@ -379,7 +405,8 @@ def test_body_size_limit_and_tokenization_off_the_event_loop(server):
     assert latencies and max(latencies) < max(1.0, big_s / 2), (max(latencies), big_s)
 
 
-def test_chat_without_template_is_400(server, tiny_pair):
+def test_chat_without_template_is_400(server, tiny_pair, http_port):
+    """(Also: a second app beside the first, reached by its route prefix through Serve's proxy.)"""
     from ray import serve
 
     from specserve.serve import build_app
@@ -387,7 +414,7 @@ def test_chat_without_template_is_400(server, tiny_pair):
     serve.run(build_app({"target": {"model": tiny_pair["target"], "num_cpus": 0.1}, "server": {"model_name": "plain"}}),
               name="plain", route_prefix="/plain")
     try:
-        r = httpx.post(f"{server}/plain/v1/chat/completions", timeout=30,
+        r = httpx.post(f"http://127.0.0.1:{http_port + 2}/plain/v1/chat/completions", timeout=30,
                        json={"model": "plain", "messages": [{"role": "user", "content": "w1"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
     finally:
@@ -624,6 +651,33 @@ def test_sides_on_labelled_nodes(server):
     [(_, _, draft_node)] = serve_actors("specserve", "Draft")
     assert node_labels(target_node)["specserve.io/role"] == "target"
     assert node_labels(draft_node)["specserve.io/role"] == "draft"
+
+
+def test_the_router_serves_the_port_itself(server, http_port):
+    """Serve's direct ingress: Serve's proxy listens after the routers' ports, so what answers on the app's
+    port is the router replica's own HTTP server, on the head node (the URL's host). The proxy
+    serves the same app, key included."""
+    import ray
+
+    assert httpx.get(f"{server}/health", timeout=10).json()["ingress"] == "direct"
+    [(_, _, router_node)] = serve_actors("specserve", "Router")
+    head = next(n["NodeID"] for n in ray.nodes() if "node:__internal_head__" in n["Resources"])
+    assert router_node == head
+    proxy = f"http://127.0.0.1:{http_port + 2}"
+    assert httpx.get(f"{proxy}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{proxy}/v1/models", headers=auth(), timeout=10).json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="lowering a niceness needs CAP_SYS_NICE (root here)")
+def test_the_router_runs_at_normal_priority(server):
+    """Ray starts workers at niceness 15: on cores a target step keeps busy, the router (the front
+    door, whose every request and chunk is latency) would get a sliver of the CPU."""
+    [(_, pid, _)] = serve_actors("specserve", "Router")
+    niceness = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            niceness[tid] = os.getpriority(os.PRIO_PROCESS, int(tid))
+    assert niceness and set(niceness.values()) == {0}, niceness
 
 
 def test_killed_target_gives_fast_503_then_recovers(server, target_model):

@@ -93,6 +93,18 @@ def test_start_lines_parse_and_enable_token_auth(name):
     assert config["file_mounts"].get("~/.ray/auth_token"), "token not shipped to nodes"
 
 
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_the_head_starts_with_direct_ingress_where_the_serve_config_expects_it(name):
+    """The router serves 8000 itself (Serve's direct ingress, read when the head starts) and Serve's
+    proxy, in deployments/two_node.yaml, takes the next port; the two must agree."""
+    from specserve.serve.ingress import shell_exports
+
+    head = ray_start_lines(load(name)["head_start_ray_commands"])[0]
+    assert shell_exports(8000) in head
+    serve_config = yaml.safe_load((CLUSTER_DIR.parent / "deployments" / "two_node.yaml").read_text())
+    assert serve_config["http_options"]["port"] == 8001
+
+
 @pytest.mark.parametrize("name", LOCAL_CONFIGS)
 def test_local_roles_on_start_lines(name):
     config = load(name)
