@@ -126,8 +126,8 @@ class ServerConfig(_Section):
     max_request_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger ones get 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Longest a generation request may take; then it is aborted (503 before output, an in-band error after).")
     router_num_cpus: float = Field(0.1, ge=0, description="Ray: CPUs reserved for each HTTP router replica.")
-    router_num_replicas: int = Field(1, ge=1, description="HTTP router replicas (under direct ingress on ports port .. port + n - 1 of the head node).")
-    ingress: Literal["direct", "proxy"] = Field("direct", description="How HTTP reaches the router when `specserve serve` starts Ray: direct (the router replica serves the port itself, Serve's direct ingress; Serve's proxy moves to the next free port after the router's) or proxy (Serve's proxy on the port, one more hop per request and chunk). A cluster you join decides by its head's environment (see cluster/README.md).")
+    router_num_replicas: int = Field(1, ge=1, description="HTTP router replicas (more than one: Serve's proxy balances them on the port).")
+    ingress: Literal["direct", "proxy"] = Field("direct", description="How HTTP reaches the router when `specserve serve` starts Ray: direct (the router replica serves the port itself, Serve's direct ingress; Serve's proxy moves to port + 1) or proxy (Serve's proxy on the port, one more hop per request and chunk; also what several router replicas get). A cluster you join decides by its head's environment (see cluster/README.md).")
     direct_streams: bool = Field(True, description="Stream each request's tokens from its target replica to the router over an authenticated TCP connection instead of a Serve handle call (faster first token and per-token delivery; the handle remains the fallback).")
     stream_token: str | None = Field(None, description="Secret the router proves to target replicas on direct streams (generated per app when unset).")
 

@@ -84,10 +84,10 @@ def run_server(cfg, app_name: str = "specserve") -> int:
     preflight(cfg, distributed=True, http=True)
     host, port, routers = cfg.server.host, cfg.server.port, cfg.server.router_num_replicas
     if will_start_ray(cfg.cluster):  # Serve reads its ingress switch from the environment its head starts with
-        if cfg.server.ingress == "direct":
-            for extra in range(port + 1, port + routers + 1):  # the other router replicas' ports, then Serve's proxy's
-                check_port(host, extra, what="under direct ingress (server.ingress: proxy uses the port alone)")
-            os.environ.update(direct_ingress_env(port, routers))
+        # Several routers: Serve's proxy balances them on the one port (direct ingress would give each its own port).
+        if cfg.server.ingress == "direct" and routers == 1:
+            check_port(host, port + 1, what="(Serve's proxy under direct ingress; server.ingress: proxy uses the port alone)")
+            os.environ.update(direct_ingress_env(port))
         else:
             os.environ.pop(ingress.SWITCH, None)
     started = connect(cfg.cluster)
