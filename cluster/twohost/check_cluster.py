@@ -118,7 +118,7 @@ def serve_phase(config: str, url: str, by_role: dict, timeout_s: float, errors: 
 
     with open(os.path.expanduser(config)) as f:
         app_args = yaml.safe_load(f)["applications"][0].get("args") or {}
-    body = {"prompt": "def main():", "max_tokens": 8, "temperature": 0}
+    body = {"prompt": "def main():", "max_tokens": 16, "temperature": 0}  # a sequence's first two steps go without drafts
     name = (app_args.get("server") or {}).get("model_name")
     if name:
         body["model"] = name
