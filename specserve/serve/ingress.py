@@ -53,8 +53,6 @@ def shell_exports(port: int, router_replicas: int = 1) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _head_env(gcs_address: str) -> dict[str, str]:
-    import os
-
     import ray
 
     @ray.remote(num_cpus=0, resources={HEAD: 0.001})

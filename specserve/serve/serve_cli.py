@@ -96,7 +96,7 @@ def run_server(cfg, app_name: str = "specserve") -> int:
     logging.getLogger("ray.serve").addFilter(_DropMessages())
     try:
         # Serve's own actors at WARNING: the nodes' model-loading progress stays readable.
-        if not start_serve(host, port, routers, logging_config={"log_level": "WARNING"}) and not started:
+        if not start_serve(host, port, routers, logging_config={"log_level": "WARNING"}) and not started and routers == 1:
             print("note: this Ray cluster's Serve has no direct ingress, so requests go through Serve's proxy (slower "
                   f"under load); start its head with `{ingress.shell_exports(port, routers)} ray start --head ...` "
                   "(cluster/README.md)", flush=True)
