@@ -78,7 +78,6 @@ def run_server(cfg, app_name: str = "specserve") -> int:
     from ..preflight import check_port, preflight
     from . import ingress
     from .app import build_app
-    from .ingress import direct_ingress_env, start_serve
 
     cfg = with_api_key(cfg)
     preflight(cfg, distributed=True, http=True)
@@ -87,7 +86,7 @@ def run_server(cfg, app_name: str = "specserve") -> int:
         # Several routers: Serve's proxy balances them on the one port (direct ingress would give each its own port).
         if cfg.server.ingress == "direct" and routers == 1:
             check_port(host, port + 1, what="(Serve's proxy under direct ingress; server.ingress: proxy uses the port alone)")
-            os.environ.update(direct_ingress_env(port))
+            os.environ.update(ingress.direct_ingress_env(port))
         else:
             os.environ.pop(ingress.SWITCH, None)
     started = connect(cfg.cluster)
@@ -96,7 +95,7 @@ def run_server(cfg, app_name: str = "specserve") -> int:
     logging.getLogger("ray.serve").addFilter(_DropMessages())
     try:
         # Serve's own actors at WARNING: the nodes' model-loading progress stays readable.
-        if not start_serve(host, port, routers, logging_config={"log_level": "WARNING"}) and not started and routers == 1:
+        if not ingress.start_serve(host, port, routers, logging_config={"log_level": "WARNING"}) and not started and routers == 1:
             print("note: this Ray cluster's Serve has no direct ingress, so requests go through Serve's proxy (slower "
                   f"under load); start its head with `{ingress.shell_exports(port, routers)} ray start --head ...` "
                   "(cluster/README.md)", flush=True)

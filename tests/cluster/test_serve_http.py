@@ -78,14 +78,10 @@ def ray_cluster(http_port):
     `specserve serve` starts its own Ray: the router replica serves HTTP itself."""
     from specserve.serve.ingress import direct_ingress_env
 
-    env = direct_ingress_env(http_port, router_replicas=2)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the head inherits it; this process gets its environment back
+        for k, v in direct_ingress_env(http_port, router_replicas=2).items():
+            mp.setenv(k, v)
         cluster = start_cluster()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     yield cluster
     stop_cluster(cluster)
 
