@@ -12,7 +12,14 @@ greedy request of ``--max-tokens`` tokens through:
 
 The last two run twice: with the router streaming from the target over a direct connection (the
 default, ``server.direct_streams``) and through a Serve handle call. Each step down adds one hop,
-so the differences between rows are what that hop costs. Target-only
+so the differences between rows are what that hop costs.
+
+An HTTP client has a cost of its own, which any server pays the same (the ``openai`` SDK's request
+building and per-chunk parsing: several ms on this 2-core box). So the HTTP rows are measured with
+two clients, the ``openai`` SDK and a minimal one (one HTTP/1.1 request written on an open socket,
+the response read up to the first token), and each client is also timed against a null server (a
+plain ASGI app in its own process that streams one chunk at once): that floor is the client's own
+time, and "server" is a row's time to first token less its client's floor. Target-only
 by default (the path's cost, not speculation's); ``--draft`` adds the draft to every row. Prints a
 table and writes ``--out``/http_path.json.
 
@@ -25,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +55,85 @@ async def _timed(stream) -> tuple[float, list[float]]:
         if has_token:
             stamps.append(time.perf_counter())
     return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+async def _raw_stream(port: int, body: dict):
+    """The minimal client: a POST on a fresh socket (connected before the clock starts), the response
+    read as it comes; yields True once per read that holds a data event with text (never the SDK)."""
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer none\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    try:
+        yield False  # connected: the clock starts here
+        writer.write(head + data)
+        while chunk := await reader.read(1 << 16):
+            yield b'"text": "' in chunk and b'"text": "",' not in chunk  # (a chunk with tokens has text)
+    finally:
+        writer.close()
+
+
+async def _timed_raw(port: int, body: dict) -> tuple[float, list[float]]:
+    stream = _raw_stream(port, body)
+    await stream.__anext__()
+    return await _timed(stream)
+
+
+def _null_server(port: int) -> None:
+    """An ASGI app that answers any POST with one streamed completion chunk and [DONE] at once: what
+    a client alone costs (run in its own process, as a real server is)."""
+    import uvicorn
+
+    chunk = json.dumps({"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "text": "tok", "logprobs": None, "finish_reason": None}]})
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": f"data: {chunk}\n\n".encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def client_floors(n: int, port: int, max_tokens: int) -> dict:
+    """Time to first chunk of each client against the null server: (openai SDK, minimal client)."""
+    import multiprocessing
+
+    import openai
+
+    proc = multiprocessing.get_context("spawn").Process(target=_null_server, args=(port,), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the null server did not start") from None
+                time.sleep(0.1)
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
+
+        async def sdk(n):
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0) as http:
+                async def one():
+                    async for c in await http.completions.create(model="m", prompt=PROMPT, max_tokens=max_tokens, stream=True):
+                        yield bool(c.choices and c.choices[0].text)
+                return [await _timed(one()) for _ in range(n)]
+
+        async def raw(n):
+            return [await _timed_raw(port, body) for _ in range(n)]
+
+        asyncio.run(sdk(3)), asyncio.run(raw(3))
+        return {"openai": _stats(asyncio.run(sdk(n)))["ttft_ms"], "minimal": _stats(asyncio.run(raw(n)))["ttft_ms"]}
+    finally:
+        proc.terminate()
+        proc.join(10)
 
 
 def run_llm(llm, params, n: int) -> list:
@@ -122,23 +209,41 @@ def main(argv=None) -> int:
                                               timeout=120) as http:
                     return [await _timed(http_stream(http)) for _ in range(n)]
 
+            async def raw_all(n, port):
+                body = {"model": client.model, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": 0,
+                        "stream": True, "ignore_eos": True}
+                return [await _timed_raw(port, body) for _ in range(n)]
+
             for ingress, port in (("router's own port", args.port), ("Serve's proxy", args.port + 1)):
                 asyncio.run(http_all(3, port))
-                rows[f"http ({ingress}), {how}"] = _stats(asyncio.run(http_all(args.requests, port)))
+                rows[f"http ({ingress}), {how}"] = {**_stats(asyncio.run(http_all(args.requests, port))), "client": "openai"}
+                if ingress == "router's own port":
+                    asyncio.run(raw_all(3, port))
+                    rows[f"http ({ingress}), {how}, minimal client"] = {**_stats(asyncio.run(raw_all(args.requests, port))),
+                                                                          "client": "minimal"}
             serve.delete("bench-http")
     finally:
         serve.shutdown()
         ray.shutdown()
+    floors = client_floors(args.requests, args.port + 2, args.max_tokens)
     lines = [f"{args.target}{' + ' + args.draft if args.draft else ''}, {args.requests} requests of {args.max_tokens} tokens, "
-             "one at a time (medians)", "", "| path | TTFT ms | TTFT p90 ms | + over in-process | TPOT ms |", "|---|---:|---:|---:|---:|"]
+             "one at a time (medians)", "",
+             f"Client floors (each client against a null server): openai SDK {floors['openai']:.1f} ms, "
+             f"minimal client {floors['minimal']:.1f} ms.", "",
+             "| path | TTFT ms | TTFT p90 ms | + over in-process | server: TTFT less the client's floor | + over in-process | TPOT ms |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     base = rows["in-process"]["ttft_ms"]
     for name, r in rows.items():
         extra = f"{r['ttft_ms'] - base:+.1f}" if name != "in-process" else "-"
-        lines.append(f"| {name} | {r['ttft_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {extra} | {r['tpot_ms']:.2f} |")
+        server, server_extra = "-", "-"
+        if "client" in r:
+            r["server_ms"] = r["ttft_ms"] - floors[r["client"]]
+            server, server_extra = f"{r['server_ms']:.1f}", f"{r['server_ms'] - base:+.1f}"
+        lines.append(f"| {name} | {r['ttft_ms']:.1f} | {r['ttft_p90_ms']:.1f} | {extra} | {server} | {server_extra} | {r['tpot_ms']:.2f} |")
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "http_path.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    (out / "http_path.json").write_text(json.dumps({"args": vars(args), "client_floors_ms": floors, "rows": rows}, indent=1))
     (out / "http_path.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -130,6 +130,7 @@ class ServerConfig(_Section):
     ingress: Literal["direct", "proxy"] = Field("direct", description="How HTTP reaches the router when `specserve serve` starts Ray: direct (the router replica serves the port itself, Serve's direct ingress; Serve's proxy moves to port + 1) or proxy (Serve's proxy on the port, one more hop per request and chunk; also what several router replicas get). A cluster you join decides by its head's environment (see cluster/README.md).")
     direct_streams: bool = Field(True, description="Stream each request's tokens from its target replica to the router over an authenticated TCP connection instead of a Serve handle call (faster first token and per-token delivery; the handle remains the fallback).")
     stream_token: str | None = Field(None, description="Secret the router proves to target replicas on direct streams (generated per app when unset).")
+    stream_spares: int = Field(2, ge=0, le=64, description="Direct-stream connections the router keeps open and authenticated ahead of need, per target replica, so a request's first bytes to the target are the request itself (0: connect per request).")
 
 
 class SpecserveConfig(_Section):

@@ -66,6 +66,8 @@ def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> 
                    t["direct_streams"]["num_streams"], {"target": name})
             metric("specserve_target_direct_streams_refused", "counter", "Direct stream connections this target turned away (wrong secret, or too many open).",
                    t["direct_streams"]["num_refused"], {"target": name})
+            metric("specserve_target_direct_stream_spares", "gauge", "Authenticated connections routers hold open to this target ahead of requests.",
+                   t["direct_streams"].get("spares", 0), {"target": name})
     for name, d in sorted(drafts.items()):
         metric("specserve_draft_num_sequences", "gauge", "Sequences this draft holds state for.", d.get("num_seqs", 0), {"draft": name})
         metric("specserve_draft_num_connections", "gauge", "Targets connected to this draft.", d.get("num_live_connections", 0),

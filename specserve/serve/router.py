@@ -38,7 +38,7 @@ from .http import (ERROR_RESPONSES, APIError, DeadTarget, LogprobsFormatter, fas
 from .ingress import serving_direct, wait_for_ports
 from .metrics import prometheus_text
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .streams import StreamRefused, TargetGone, open_stream
+from .streams import SparePool, StreamRefused, TargetGone, open_stream
 
 logger = logging.getLogger("specserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -116,6 +116,7 @@ class Router:
         self._warming: asyncio.Task | None = None  # fetching the target's info and tokenizer ahead of the first request
         self._streams_open: dict[str, int] = {}  # direct streams open per target replica (the router's load balance)
         self._avoid: dict[str, float] = {}  # target replica -> until when not to open direct streams to it
+        self._spares = SparePool(server.stream_token, server.stream_spares) if server.direct_streams and server.stream_token else None
         self.created = int(time.time())
         # transformers' tokenizer classes take seconds to import (measured: 4.4 s of a 4.8 s first request,
         # demo pair): import them while the models load, not on the first request.
@@ -133,6 +134,10 @@ class Router:
                 logger.debug("registry poll failed: %s", exc)
             targets, drafts = len(self.snapshot["target"]), len(self.snapshot["draft"])
             connected = all(t.get("draft_up") for t in self.snapshot["target"].values())
+            if self._spares is not None:
+                now = time.monotonic()
+                self._spares.keep({t["stream_address"] for name, t in self.snapshot["target"].items()
+                                   if t.get("stream_address") and self._avoid.get(name, 0.0) <= now})
             if targets and self.info is None and (self._warming is None or self._warming.done()):
                 # The target's info and tokenizer before the first request needs them (a task of its own:
                 # the snapshot the fast 503 reads keeps its pace meanwhile).
@@ -367,7 +372,8 @@ class Router:
         return None if best is None else best[1:]
 
     async def _open_direct(self, rid: str, token_ids, params):
-        """A direct stream for the request, or None (no target offers one, or it could not be reached)."""
+        """A direct stream for the request, or None (no target offers one, or it could not be reached);
+        on a spare connection (``SparePool``) when there is one."""
         picked = self._direct_target()
         if picked is None:
             return None
@@ -377,8 +383,10 @@ class Router:
             self._streams_open[name] -= 1
 
         try:
-            gen = await open_stream(address, self.cfg.server.stream_token, rid, list(token_ids), params.to_dict(),
-                                    on_close=closed)
+            gen = None if self._spares is None else await self._spares.open(address, rid, list(token_ids), params.to_dict(), closed)
+            if gen is None:  # no spare connection: connect now
+                gen = await open_stream(address, self.cfg.server.stream_token, rid, list(token_ids), params.to_dict(),
+                                        on_close=closed)
         except (OSError, asyncio.TimeoutError, ValueError) as exc:
             logger.warning("direct stream to %s failed (%s); using the Serve handle", name, exc)
             self._avoid[name] = time.monotonic() + AVOID_S

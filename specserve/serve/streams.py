@@ -16,10 +16,13 @@ Protocol (msgpack frames, a 4-byte little-endian length first):
   ``finished``), or one ``{"error": message, "kind": "invalid" | "busy" | "auth" | "internal"}``.
 
 Closing the connection, from either side, aborts the request on the target. The listening port
-is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret and as long again to send its
-request, nothing over ``PROOF_FRAME_BYTES`` is read before the proof, at most ``MAX_UNPROVEN``
-connections may be proving it at once, and at most ``max_streams`` requests stream at once (beyond: ``busy``, and the router uses the
-Serve handle). Knows nothing of HTTP.
+is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret, nothing over
+``PROOF_FRAME_BYTES`` is read before the proof, at most ``MAX_UNPROVEN`` connections may be
+proving it at once, and at most ``max_streams`` requests stream at once (beyond: ``busy``, and the
+router uses the Serve handle). A proven connection then has ``HELLO_TIMEOUT_S`` to send its request,
+or ``SPARE_IDLE_S`` while fewer than ``MAX_SPARES`` proven connections wait: the router keeps a
+few connections proven ahead of need (``SparePool``), so a request's first bytes are its request,
+not a handshake (one round trip through both event loops less before the first token). Knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import contextlib
 import logging
 import struct
 import threading
+import time
+from collections import deque
 from dataclasses import asdict
 
 import msgpack
@@ -42,6 +47,9 @@ _LEN = struct.Struct("<I")
 HELLO_TIMEOUT_S = 5.0  # a new connection's time to send its request
 MAX_UNPROVEN = 64  # connections that may be proving the secret at once; beyond, new ones are closed at once
 PROOF_FRAME_BYTES = 4096  # what is read from a connection before it proves the secret
+SPARE_IDLE_S = 30.0  # how long a proven connection may wait for its request (while spares are few)
+MAX_SPARES = 64  # proven connections that may wait that long at once; beyond, HELLO_TIMEOUT_S
+SPARE_MAX_AGE_S = 20.0  # the router retires a spare this old (before the target would drop it)
 DELTA_FRAME_BYTES = 64 << 20  # the router's cap on one delta (prompt logprobs of a long prompt are the largest)
 
 
@@ -76,6 +84,7 @@ class StreamServer:
         self.max_streams, self.request_limit = max_streams, max(64 << 10, 4 * max_request_bytes)
         self.streaming = 0
         self.unproven = 0
+        self.spares = 0  # proven connections waiting for their request
         self.num_streams = 0  # requests streamed (started) over this port
         self.num_refused = 0  # connections turned away: wrong secret, or too many streams open
         self._ready = threading.Event()
@@ -114,16 +123,23 @@ class StreamServer:
             self.unproven += 1
             try:  # the proof first, in a small frame: nothing large is read from a stranger
                 proof = await asyncio.wait_for(_read(reader, PROOF_FRAME_BYTES), HELLO_TIMEOUT_S)
-                if not isinstance(proof, dict) or not verify(self.token, "router", challenge, proof.get("proof")):
-                    self.num_refused += 1
-                    logger.warning("refused a direct stream: it did not prove the app's stream secret")
-                    writer.write(_pack({"error": "authentication failed", "kind": "auth"}))
-                    return
-                hello = await asyncio.wait_for(_read(reader, self.request_limit), HELLO_TIMEOUT_S)
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgpack.UnpackException, OSError):
                 return  # silent, slow or oversized: not a router of this app
             finally:
                 self.unproven -= 1
+            if not isinstance(proof, dict) or not verify(self.token, "router", challenge, proof.get("proof")):
+                self.num_refused += 1
+                logger.warning("refused a direct stream: it did not prove the app's stream secret")
+                writer.write(_pack({"error": "authentication failed", "kind": "auth"}))
+                return
+            idle_s = SPARE_IDLE_S if self.spares < MAX_SPARES else HELLO_TIMEOUT_S  # a router's spare waits
+            self.spares += 1
+            try:
+                hello = await asyncio.wait_for(_read(reader, self.request_limit), idle_s)
+            except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, msgpack.UnpackException, OSError):
+                return  # retired by the router, idle too long, or oversized
+            finally:
+                self.spares -= 1
             if not isinstance(hello, dict):
                 writer.write(_pack({"error": "the request must be a map", "kind": "invalid"}))
                 return
@@ -182,7 +198,8 @@ class StreamServer:
             await deltas.aclose()  # unfinished: aborts the request on both sides
 
     def stats(self) -> dict:
-        return {"address": self.address, "streaming": self.streaming, "num_streams": self.num_streams, "num_refused": self.num_refused}
+        return {"address": self.address, "streaming": self.streaming, "spares": self.spares, "num_streams": self.num_streams,
+                "num_refused": self.num_refused}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop listening, abort every open stream (its request too) and stop the thread."""
@@ -211,10 +228,13 @@ class DirectStream:
     """The router's end of one request: ``__anext__`` gives the target's delta dicts and ``cancel``
     closes the connection (aborting the request), as a Serve streaming call's generator does."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_close=None):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, on_close=None, resend=None):
         self.reader, self.writer = reader, writer
         self.finished = False
         self._on_close = on_close  # called once, when the stream ends or is cancelled
+        # On a spare connection: how to send the request again on a fresh one, should the target have
+        # dropped the spare before reading it (restarted, or it idled out). Only before the first frame.
+        self._resend = resend
 
     def __aiter__(self):
         return self
@@ -225,8 +245,18 @@ class DirectStream:
         try:
             msg = await _read(self.reader, DELTA_FRAME_BYTES)
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ValueError, msgpack.UnpackException) as exc:
+            if self._resend is not None and isinstance(exc, (asyncio.IncompleteReadError, ConnectionError)):
+                resend, self._resend = self._resend, None
+                self.writer.close()
+                try:
+                    self.reader, self.writer = await resend()
+                except (OSError, asyncio.TimeoutError, ConnectionError, ValueError, msgpack.UnpackException) as again:
+                    self.cancel()
+                    raise TargetGone(f"the target's stream broke: {type(again).__name__}") from None
+                return await self.__anext__()
             self.cancel()
             raise TargetGone(f"the target's stream broke: {type(exc).__name__}") from None
+        self._resend = None
         if not isinstance(msg, dict):
             self.cancel()
             raise TargetGone("the target sent a malformed frame")
@@ -252,9 +282,8 @@ class DirectStream:
             on_close()
 
 
-async def open_stream(address: str, token: str, request_id: str, token_ids: list[int], params: dict,
-                      timeout_s: float = 2.0, on_close=None) -> DirectStream:
-    """Connect to a target replica's stream server and send one request (``OSError`` if it cannot be reached)."""
+async def connect(address: str, token: str, timeout_s: float = 2.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to a target replica's stream server with the secret proven: the next frame is a request."""
     host, _, port = address.rpartition(":")
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
     try:
@@ -263,9 +292,123 @@ async def open_stream(address: str, token: str, request_id: str, token_ids: list
         if not isinstance(challenge, str):
             raise ConnectionError("the target sent no challenge")
         writer.write(_pack({"proof": prove(token, "router", challenge)}))
+        await writer.drain()
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
+
+
+async def _send_request(writer: asyncio.StreamWriter, request_id: str, token_ids: list[int], params: dict) -> None:
+    try:
         writer.write(_pack({"request_id": request_id, "token_ids": list(token_ids), "params": params}))
         await writer.drain()
     except BaseException:
         writer.close()
         raise
+
+
+async def open_stream(address: str, token: str, request_id: str, token_ids: list[int], params: dict,
+                      timeout_s: float = 2.0, on_close=None) -> DirectStream:
+    """Connect to a target replica's stream server and send one request (``OSError`` if it cannot be reached)."""
+    reader, writer = await connect(address, token, timeout_s)
+    await _send_request(writer, request_id, token_ids, params)
     return DirectStream(reader, writer, on_close)
+
+
+class SparePool:
+    """The router's proven connections opened ahead of need, ``spares`` per target address.
+
+    ``take`` hands one out (None when there is none fit to use: the caller connects as before) and
+    refills in the background; ``keep`` (called with every Registry snapshot) opens spares to the
+    live targets, and closes those of targets gone and those older than ``SPARE_MAX_AGE_S`` (the
+    target drops an idle one after ``SPARE_IDLE_S``). A spare can still be closed under the router's
+    feet (the target restarted): the caller retries such a request once on a fresh connection."""
+
+    def __init__(self, token: str, spares: int, max_age_s: float = SPARE_MAX_AGE_S):
+        self.token, self.spares, self.max_age_s = token, spares, max_age_s
+        self._idle: dict[str, deque] = {}
+        self._filling: dict[str, asyncio.Task] = {}
+        self.num_taken = 0  # requests that started on a spare
+        self.num_opened = 0
+
+    def _fit(self, spare: tuple, now: float) -> bool:
+        reader, writer, born = spare
+        return now - born < self.max_age_s and not writer.is_closing() and not reader.at_eof() and reader.exception() is None
+
+    async def open(self, address: str, request_id: str, token_ids: list[int], params: dict, on_close=None) -> DirectStream | None:
+        """``open_stream`` on a spare connection to ``address``; None when there is no spare fit to use.
+        Should the target have dropped the spare unread, the stream sends the request once more, on a
+        fresh connection, as ``<request_id>-f``."""
+        spare = self.take(address)
+        if spare is None:
+            return None
+        reader, writer = spare
+
+        async def resend():
+            fresh = await connect(address, self.token)
+            await _send_request(fresh[1], f"{request_id}-f", token_ids, params)
+            return fresh
+
+        try:
+            await _send_request(writer, request_id, token_ids, params)
+        except (OSError, ConnectionError):
+            reader, writer = await resend()
+        return DirectStream(reader, writer, on_close, resend)
+
+    def take(self, address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        idle, now = self._idle.get(address), time.monotonic()
+        picked = None
+        while idle and picked is None:
+            spare = idle.popleft()
+            if self._fit(spare, now):
+                picked = spare[:2]
+            else:
+                spare[1].close()
+        self._fill(address)
+        if picked is not None:
+            self.num_taken += 1
+        return picked
+
+    def keep(self, addresses: set[str]) -> None:
+        now = time.monotonic()
+        for address in list(self._idle):
+            idle = self._idle[address]
+            for spare in [s for s in idle if address not in addresses or not self._fit(s, now)]:
+                idle.remove(spare)
+                spare[1].close()
+            if address not in addresses:
+                del self._idle[address]
+        for address in addresses:
+            self._fill(address)
+
+    def _fill(self, address: str) -> None:
+        if self.spares <= 0 or address in self._filling or len(self._idle.get(address, ())) >= self.spares:
+            return
+        self._filling[address] = asyncio.get_running_loop().create_task(self._open(address))
+
+    async def _open(self, address: str) -> None:
+        try:
+            idle = self._idle.setdefault(address, deque())
+            while len(idle) < self.spares:
+                reader, writer = await connect(address, self.token)
+                self.num_opened += 1
+                if self._idle.get(address) is not idle:  # the target went away meanwhile
+                    writer.close()
+                    return
+                idle.append((reader, writer, time.monotonic()))
+        except (OSError, asyncio.TimeoutError, ConnectionError, ValueError, msgpack.UnpackException) as exc:
+            logger.debug("no spare stream to %s: %s", address, exc)  # requests connect as before
+        finally:
+            self._filling.pop(address, None)
+
+    def stats(self) -> dict:
+        return {"idle": sum(len(q) for q in self._idle.values()), "taken": self.num_taken, "opened": self.num_opened}
+
+    def close(self) -> None:
+        for task in self._filling.values():
+            task.cancel()
+        for idle in self._idle.values():
+            for _, writer, _ in idle:
+                writer.close()
+        self._idle.clear()

@@ -157,3 +157,77 @@ def test_a_target_that_vanishes_mid_stream_is_target_gone(llm):
 
     asyncio.run(main())
     wait_until(lambda: llm._engine.loop.num_requests == 0, 10, message="the request aborted when its replica closed")
+
+
+def test_a_proven_connection_waits_for_its_request_a_bounded_time(server, monkeypatch):
+    # A router's spare (proven, no request yet) may wait SPARE_IDLE_S, while fewer than MAX_SPARES wait.
+    monkeypatch.setattr(streams, "SPARE_IDLE_S", 0.5)
+    monkeypatch.setattr(streams, "HELLO_TIMEOUT_S", 30)
+    spare = _raw(server.address, prove_with=SECRET)
+    wait_until(lambda: server.stats()["spares"] == 1, 10, message="the proven connection counted as a spare")
+    started = time.monotonic()
+    assert spare.recv(16) == b""  # dropped after SPARE_IDLE_S
+    assert time.monotonic() - started < 10
+    wait_until(lambda: server.stats()["spares"] == 0, 10, message="the dropped spare uncounted")
+    # Beyond MAX_SPARES a proven connection gets HELLO_TIMEOUT_S instead.
+    monkeypatch.setattr(streams, "SPARE_IDLE_S", 30)
+    monkeypatch.setattr(streams, "HELLO_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(streams, "MAX_SPARES", 1)
+    held = _raw(server.address, prove_with=SECRET)
+    wait_until(lambda: server.stats()["spares"] == 1, 10, message="one spare waiting")
+    extra = _raw(server.address, prove_with=SECRET)
+    started = time.monotonic()
+    assert extra.recv(16) == b""
+    assert time.monotonic() - started < 10
+    held.close()
+    assert server.stats()["num_streams"] == 0
+
+
+def test_spares_are_proven_ahead_and_start_requests(llm, server):
+    expected = llm.generate([PROMPT], GREEDY)[0].token_ids
+
+    async def main():
+        pool = streams.SparePool(SECRET, spares=2)
+        pool.keep({server.address})
+        await _until(lambda: pool.stats()["idle"] == 2 and server.stats()["spares"] == 2)
+        stream = await pool.open(server.address, "sp1", PROMPT, GREEDY.to_dict())
+        assert stream is not None and pool.stats()["taken"] == 1
+        deltas = await _collect(stream)
+        await _until(lambda: pool.stats()["idle"] == 2)  # refilled
+        pool.keep(set())  # the target is gone: its spares closed
+        assert pool.stats()["idle"] == 0
+        pool.close()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert [t for d in deltas for t in d["token_ids"]] == expected
+    wait_until(lambda: server.stats()["spares"] == 0, 10, message="closed spares uncounted on the target")
+
+
+def test_a_spare_the_target_dropped_unread_sends_the_request_again(llm, server, monkeypatch):
+    expected = llm.generate([PROMPT], GREEDY)[0].token_ids
+    monkeypatch.setattr(streams, "SPARE_IDLE_S", 0.3)
+
+    async def main():
+        pool = streams.SparePool(SECRET, spares=1)
+        pool.keep({server.address})
+        await _until(lambda: pool.stats()["idle"] == 1)
+        # Blocking sleep: the target drops the spare, and this loop does not run to see it close.
+        wait_until(lambda: server.stats()["spares"] == 0, 10, message="the target dropped the idle spare")
+        stream = await pool.open(server.address, "drop-1", PROMPT, GREEDY.to_dict())
+        assert stream is not None, "the pool did not notice the drop yet: the case under test"
+        deltas = await _collect(stream)
+        pool.close()
+        return deltas
+
+    deltas = asyncio.run(main())
+    assert [t for d in deltas for t in d["token_ids"]] == expected
+    assert {d["request_id"] for d in deltas} == {"drop-1-f"}  # sent once more, on a fresh connection
+    assert server.stats()["num_streams"] == 1  # and served once
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
