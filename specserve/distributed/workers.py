@@ -20,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from ..config import SpecserveConfig
@@ -301,7 +300,7 @@ class TargetWorker:
         """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True."""
         async with contextlib.aclosing(self.loop.stream(request_id, list(token_ids), SamplingParams(**params))) as deltas:
             async for item in deltas:
-                yield {**asdict(item), "source": self.name}
+                yield {**vars(item), "source": self.name}  # (shallow: asdict deep-copies, 10 us a delta)
 
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
         out = RequestOutput(request_id, None, list(token_ids))

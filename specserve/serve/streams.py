@@ -34,7 +34,6 @@ import struct
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
 
 import msgpack
 
@@ -185,7 +184,7 @@ class StreamServer:
                     logger.exception("direct stream %s failed", rid)
                     writer.write(_pack({"error": f"{type(exc).__name__}: {exc}", "kind": "internal"}))
                     return
-                writer.write(_pack({**asdict(item), "source": self.source}))
+                writer.write(_pack({**vars(item), "source": self.source}))  # (shallow: asdict deep-copies, 10 us a delta)
                 await writer.drain()
                 if item.finished:
                     return
