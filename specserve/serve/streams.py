@@ -322,7 +322,8 @@ class SparePool:
     refills in the background; ``keep`` (called with every Registry snapshot) opens spares to the
     live targets, and closes those of targets gone and those older than ``SPARE_MAX_AGE_S`` (the
     target drops an idle one after ``SPARE_IDLE_S``). A spare can still be closed under the router's
-    feet (the target restarted): the caller retries such a request once on a fresh connection."""
+    feet (the target restarted, or dropped it idle): the stream ``open`` gives then sends its request
+    once more, on a fresh connection, before its first frame."""
 
     def __init__(self, token: str, spares: int, max_age_s: float = SPARE_MAX_AGE_S):
         self.token, self.spares, self.max_age_s = token, spares, max_age_s
