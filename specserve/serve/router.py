@@ -42,7 +42,7 @@ from .streams import SparePool, StreamRefused, TargetGone, open_stream
 
 logger = logging.getLogger("specserve.serve")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-REGISTRY_POLL_S = 0.25
+REGISTRY_POLL_S = 0.5  # the Registry's snapshot: liveness, drafts' state, metrics (replicas announce every 0.5 s)
 AVOID_S = 5.0  # a target whose direct stream failed is reached through the Serve handle for this long
 
 

@@ -425,8 +425,8 @@ def _gauge(server, name) -> float:
 
 
 def test_health_and_metrics(server):
-    # /health reads the registry, where replicas announce themselves five times a second and drop
-    # out after a second without news: on a loaded machine one read can catch a late announcement.
+    # /health reads the registry, where replicas announce themselves twice a second and drop
+    # out after two seconds without news: on a loaded machine one read can catch a late announcement.
     h = wait_healthy(server, 60)
     assert h["status"] == "ok" and h["draft"] == "up" and h["targets"] == 1 and h["drafts"] == 1
     text = httpx.get(f"{server}/metrics", headers=auth(), timeout=30).text

@@ -116,7 +116,7 @@ def registry_snapshot() -> dict:
 
 def wait_for_snapshot(check, message: str, timeout: float = 60) -> dict:
     """The registry's snapshot once ``check(snapshot)`` holds. Replicas push their metrics to the
-    registry five times a second, so a read right after the requests may predate their last push."""
+    registry twice a second, so a read right after the requests may predate their last push."""
     def holds():
         snap = registry_snapshot()
         return snap if check(snap) else None

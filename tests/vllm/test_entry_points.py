@@ -73,7 +73,7 @@ def test_serve_app_with_vllm_sides_is_exact_over_http(server, reference):
     bodies = asyncio.run(main())
     assert [b["choices"][0]["text"] for b in bodies] == [text for _, text in reference]
     assert sum(b["specserve"]["num_accepted_tokens"] for b in bodies) > 0
-    # /metrics and /health read the registry, where replicas push their metrics five times a second:
+    # /metrics and /health read the registry, where replicas push their metrics twice a second:
     # a read right after the requests may predate the target's last push, so poll.
     def accepted():
         metrics = httpx.get(f"{server}/metrics", timeout=30).text
