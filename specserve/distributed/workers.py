@@ -30,7 +30,8 @@ logger = logging.getLogger("specserve")
 
 # Each announce (and each router poll) is a Serve handle call. An idle app's four replicas used 21-25% of
 # a core at 5 announces/s and 4 polls/s, 15-20% at 2/s and 2/s (`/proc` over 20 s, demo pair, two A/B
-# pairs). A dead target is found without the registry too: its direct stream fails, then the handle.
+# pairs). A dead target mostly fails its requests sooner than it leaves the snapshot (its direct stream
+# fails at once, then the Serve handle call); otherwise the 503 comes when it leaves.
 ANNOUNCE_EVERY_S = 0.5  # how often each replica tells the registry it is alive (and its metrics)
 REGISTRY_TTL_S = 2.0  # a replica not heard from for this long is no longer listed
 
