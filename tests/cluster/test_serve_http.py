@@ -435,11 +435,9 @@ def test_health_and_metrics(server):
     # The requests before this one streamed from the target directly (server.direct_streams, the default).
     streamed = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specserve_target_direct_streams{")]
     assert len(streamed) == 1 and streamed[0] > 0, streamed
-    # The router holds authenticated connections to the target ahead of requests (server.stream_spares).
-    def spares() -> list[float]:
-        text = httpx.get(f"{server}/metrics", headers=auth(), timeout=30).text
-        return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("specserve_target_direct_stream_spares{")]
-    wait_until(lambda: spares() == [2.0], 30, message="two spare connections held (the default)")
+    # The router holds authenticated connections to the (one) target ahead of requests (server.stream_spares).
+    wait_until(lambda: _gauge(server, "specserve_target_direct_stream_spares") == 2.0, 30,
+               message="two spare connections held (the default)")
 
 
 def test_disconnect_frees_both_sides_and_spares_others(server):
