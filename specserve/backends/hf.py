@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import logging
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .slot_cache import SlotKVCache
 
@@ -27,6 +30,13 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "auto": "auto",
 }
+
+
+# Attention kernels a CUDA forward may use. cuDNN's is left out: PyTorch builds a cuDNN graph for
+# each new key length, and a decode step has a new one every step. On an H100 (torch 2.11, bf16,
+# 16 layers x 2048) that cost ~2.3 ms of host time per layer per step and tripled the engine's
+# step (benchmarks/profile_gpu.py). The others need no plan per shape.
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def resolve_dtype(dtype: str | torch.dtype):
@@ -229,18 +239,21 @@ class HFBackend:
         extra = {"hidden_states": hidden_states} if hidden_states is not None else {}
         if self.capture_layers:
             extra["output_hidden_states"] = True
-        out = self.model(
-            input_ids=torch.tensor(input_ids, device=dev),
-            position_ids=torch.tensor(position_ids, device=dev),
-            attention_mask=mask[:, None],  # [batch_size, 1, width, kv_len]
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-            **extra,
-        )
+        kernels = sdpa_kernel(list(CUDA_SDPA_BACKENDS)) if dev.type == "cuda" and CUDA_SDPA_BACKENDS else contextlib.nullcontext()
+        with kernels:
+            out = self.model(
+                input_ids=torch.tensor(input_ids, device=dev),
+                position_ids=torch.tensor(position_ids, device=dev),
+                attention_mask=mask[:, None],  # [batch_size, 1, width, kv_len]
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+                **extra,
+            )
         # HF's hidden_states[i] is the input of layer i (vLLM's aux layer id i); the last is the final, normed output.
         self.captured = (torch.cat([out.hidden_states[i] for i in self.capture_layers], dim=-1)
                          if self.capture_layers else None)
         self.last_hidden = getattr(out, "hidden", None)
         logits = out.logits[:, -keep:]
         return logits if logits.dtype == torch.float64 else logits.float()
+

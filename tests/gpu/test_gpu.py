@@ -109,3 +109,23 @@ def test_the_same_prompt_is_prefilled_once_on_cuda(tiny_pair):
         outs = llm.generate([prompt, PROMPTS[0], prompt], params, use_tqdm=False)
         assert llm.metrics()["num_prefills_shared"] == 1
     assert outs[0].token_ids == alone and outs[2].token_ids == alone
+
+
+@needs_cuda
+def test_decode_attention_stays_off_cudnn(tiny_pair):
+    """cuDNN's attention builds a graph per key length: a decode step (a new length every step) must not
+    reach it. On an H100 with torch 2.11 PyTorch picks it for bfloat16 unless told not to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specserve.backends.hf import HFBackend
+
+    backend = HFBackend(tiny_pair["target"], dtype="bfloat16", device="cuda")
+    backend.add("a")
+    backend.add("b")
+    logits = backend.forward(["a", "b"], [PROMPTS[0], PROMPTS[2]], [1, 1])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            logits = backend.forward(["a", "b"], [[t] for t in logits[:, -1].argmax(-1).tolist()], [1, 1])
+    names = {e.key for e in prof.key_averages()}
+    assert any("attention" in n for n in names), sorted(names)  # attention ran and the profiler saw it
+    assert not [n for n in names if "cudnn" in n.lower() and "attention" in n.lower()]
