@@ -33,6 +33,7 @@ everything to results.json, a plot to speedup_vs_batch.png.
     python -m benchmarks.bench_vllm --quick                  # tiny sizes, every system once (~10 min)
     python -m benchmarks.bench_vllm --pairs demo-eagle       # the demo target's EAGLE-3 head: vLLM's colocated EAGLE-3
                                                              # vs the head on the draft node fed by specserve's engine
+                                                             # (drafting ahead, and ``specserve head no-ahead`` without)
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
             out[f"specserve head d={delay:g}ms"] = lambda delay=delay: SpecserveRunner(
                 target, draft, {**common, "channel_delay_ms": delay}, options, own_engine=True)
         out[f"specserve head k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options, own_engine=True)
+        out["specserve head no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options, own_engine=True)
         out["specserve own target-only"] = lambda: SpecserveRunner(target, draft, {"num_speculative_tokens": 0}, options, own_engine=True)
         return out
     for delay in args.delays_ms:

@@ -53,12 +53,12 @@ def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     own = getattr(backend_class(d), "build_drafter", None)
     if own is not None:  # a backend that drafts with its own engine
         return own(cfg)
+    fanout = spec.fanout if _ahead_policy(cfg, own_process) is not False else 0
     if d.backend == "hf" and head_spec(d.model) is not None:  # an EAGLE head: reads the target's hidden states
         from .head_drafter import build_head_drafter
 
-        return build_head_drafter(cfg)
+        return build_head_drafter(cfg, fanout)
     backend = create_backend(d)
-    fanout = spec.fanout if _ahead_policy(cfg, own_process) is not False else 0
     return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
 
 

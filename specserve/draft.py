@@ -35,6 +35,7 @@ class Branch:
     token_ids: list[int]  # drafts continuing the verdict's token
     probs: list[np.ndarray]  # [len(token_ids)] q rows (sampled requests with probabilities), else empty
     cands: list[tuple[list[int], list[float]]]  # per draft slot: the draft's likeliest tokens and their q
+    rows: list = field(default_factory=list)  # a draft head's own output row per draft (its next input), else empty
 
 
 @dataclass

@@ -45,6 +45,7 @@ class ModelDrafter:
     """
 
     SAFETY = 0.85  # share of the target's budget a tree may use (the rest absorbs noise)
+    ENTRY_SHIFT = 0  # a branch root after c committed tokens sees c - ENTRY_SHIFT KV entries (a head's entry t reads token t + 1)
 
     def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None,
                  preempt: bool = True):
@@ -288,21 +289,26 @@ class ModelDrafter:
         lanes = max(len(r) for r in roots)
         branches = [[Branch([], [], []) for _ in r] for r in roots]
         tokens = [[tok for _, tok in r] for r in roots]
-        prefix_lens = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]
+        starts = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]  # where each root's token sits
+        prefix_lens = [[p - self.ENTRY_SHIFT for p in ps] for ps in starts]
+        hidden = self._root_rows(seqs, roots, lanes)  # a head's input rows per lane, else None
         self.last_tree = (lanes, 0)
         for d in range(depth):
             if should_stop():
                 break
             start = time.perf_counter()
-            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, d, lanes)
+            extra = {} if hidden is None else {"hidden": hidden}
+            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, d, lanes, **extra)
             self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)
             self.last_tree = (lanes, d + 1)
+            if hidden is not None:
+                hidden = self.backend.last_hidden  # [batch, lanes, hidden]: the next depth reads each lane's own row
             flat_seqs, flat_rows, positions = [], [], []
             for i, s in enumerate(seqs):
                 for b in range(len(tokens[i])):
                     flat_seqs.append(s)
                     flat_rows.append((i, b))
-                    positions.append(prefix_lens[i][b] + d + 1)
+                    positions.append(starts[i][b] + d + 1)
             index = torch.tensor([i * lanes + b for i, b in flat_rows])
             picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True)
             for n, (i, b) in enumerate(flat_rows):
@@ -312,9 +318,14 @@ class ModelDrafter:
                     br.probs.append(probs[n])
                 if cands is not None:
                     br.cands.append(cands[n])
+                if hidden is not None:
+                    br.rows.append(hidden[i, b])
                 tokens[i][b] = picked[n]
         for s, r, bs in zip(seqs, roots, branches):
             s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+
+    def _root_rows(self, seqs: list[DraftSeq], roots: list[list[tuple[int, int]]], lanes: int) -> torch.Tensor | None:
+        return None  # a causal LM reads tokens only
 
     def _tree_size(self, scored: list[list[tuple[float, int, int]]], depth_max: int, budget_s: float) -> tuple[int, int]:
         """(branches per sequence, depth): the most expected accepted draft tokens whose forwards fit

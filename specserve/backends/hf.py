@@ -199,6 +199,7 @@ class HFBackend:
         prefix_lens: list[list[int]],  # [batch_size][num_branches_i]: cached tokens each branch continues (<= committed)
         depth: int,  # 0 for the branch roots, then 1, 2, ...
         num_lanes: int,  # >= every num_branches_i, the same at every depth of one tree
+        hidden: torch.Tensor | None = None,  # [batch_size, num_lanes, hidden]: a draft head's input row per lane
     ) -> torch.Tensor:  # [batch_size, num_lanes, vocab] float32 (rows past num_branches_i are padding)
         """One depth of each sequence's branch tree; see the module docstring. Commits nothing."""
         rows = [self._row[s] for s in seq_ids]
@@ -220,7 +221,7 @@ class HFBackend:
         slot_t = torch.tensor(slots, device=dev)
         stride = torch.full_like(slot_t, num_lanes)
         return self._run(rows, input_ids, position_ids, slot_t, torch.tensor(prefix, device=dev),
-                         torch.tensor(lane_start, device=dev), stride, slot_t, num_lanes, max(s[-1] for s in slots))
+                         torch.tensor(lane_start, device=dev), stride, slot_t, num_lanes, max(s[-1] for s in slots), hidden)
 
     def _run(self, rows, input_ids, position_ids, slots, prefix_len, lane_start, lane_stride, lane_end, keep, max_slot,
              hidden_states=None):

@@ -63,6 +63,47 @@ def test_greedy_with_a_head_equals_target_only(heads, reference, head, k):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # the head drafted
 
 
+@pytest.mark.parametrize("head", ["eagle3", "eagle3_reduced", "eagle"])
+def test_a_head_drafting_ahead_hits_and_equals_target_only(heads, reference, head, ordered_draft_ahead):
+    """The speculation cache with a head: branches drafted on the head's own rows answer blocks with no
+    forward on the critical path (hits), the real rows are read afterwards, and greedy output is the target's."""
+    with LLM(heads["target"], draft=heads[head], num_speculative_tokens=3, dtype="float64", adaptive=False, draft_ahead=True,
+             draft_ahead_preempt=False) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == reference
+    assert 0 < m["num_cache_hits"] < m["num_blocks"]  # (a random head misses often, and hits some)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_head(tmp_path_factory):
+    """A 12-token target with tame logits (so every token is sampled) and a random EAGLE-3 head for it."""
+    root = tmp_path_factory.mktemp("smallvocab_head")
+    make_model(root / "t", seed=10, vocab_size=12, hidden=64, layers=4)
+    model = AutoModelForCausalLM.from_pretrained(root / "t")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(0.1)
+    model.save_pretrained(root / "t")
+    return str(root / "t"), make_eagle3_head(root / "h", str(root / "t"), layer_ids=[1, 2, 3], seed=5)
+
+
+def test_sampling_with_a_head_drafting_ahead_follows_the_target(small_vocab_head, ordered_draft_ahead):
+    """Blocks from the cache were drafted on the head's own rows, so a seeded request draws other drafts
+    than without the cache; what it emits must still follow the target's distribution (chi-square on
+    the first three tokens, marginalised exactly)."""
+    from .test_sampling_lossless import NUM_SAMPLES, PROMPT, chi2_pvalue, exact_distributions
+
+    target, head = small_vocab_head
+    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s, ignore_eos=True) for s in range(NUM_SAMPLES)]
+    with LLM(target, draft=head, num_speculative_tokens=3, dtype="float64", adaptive=False, draft_ahead=True,
+             draft_ahead_preempt=False) as llm:
+        outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
+        hits = llm.metrics()["num_cache_hits"]
+    assert hits > NUM_SAMPLES // 10  # the cache answered blocks deciding tokens 2 and 3
+    for i, p in enumerate(exact_distributions(target, 1.0, 0, 1.0)):
+        assert chi2_pvalue([o.token_ids[i] for o in outs], p) > 1e-4
+
+
 def _reference_block(head, target, tokens: list[int], layers, k: int) -> list[int]:
     """What a head should draft after ``tokens``, computed without any cache: the target's rows for
     positions 0..n-2 beside tokens 1..n-1, then its own rows, by full forwards."""
