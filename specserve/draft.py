@@ -57,6 +57,7 @@ class DraftSeq:
     vocab_limit: int | None = None  # the target emits ids below this only (a wider draft LM head is masked to it)
     verdict: tuple[int, int, int] | None = None  # (base_len, num_accepted, last token) of the last result
     hidden: list = field(default_factory=list)  # [(first position, [rows, width] tensor)]: target rows a head has not read
+    seeded: bool = False  # the request's own seed (a head keeps no speculation cache for it when sampled)
 
     @property
     def greedy(self) -> bool:
@@ -140,7 +141,7 @@ class DraftSide:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
             self.close(msg.request_id)
         seq = DraftSeq(msg.request_id, f"{self.namespace}{msg.request_id}", list(msg.token_ids), msg.temperature,
-                       msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit)
+                       msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit, seeded=msg.seeded)
         if msg.hidden_states is not None:
             seq.hidden.append((len(msg.token_ids) - 1 - msg.hidden_states.shape[0], msg.hidden_states))
         self.drafter.open(seq)

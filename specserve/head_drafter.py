@@ -12,7 +12,9 @@ re-opened on another draft) read zeros: worse drafts, never different output.
 Drafting ahead (the speculation cache, ``model_drafter``): while the target verifies, the
 head pre-drafts the likeliest verdicts, each branch starting from the head's own row in
 place of the target's row it has not sent yet. On a hit the block goes out with no forward;
-the target's real rows are read before the next tree. Knows nothing of the wire.
+the target's real rows are read before the next tree. Such a block can differ from the one
+drafted on demand, which greedy output never sees; a request with its own seed keeps no
+cache (its draws must not depend on hits). Knows nothing of the wire.
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ class HeadDrafter(ModelDrafter):
         started = time.perf_counter()
         if not self.preempt:
             should_stop = lambda: False  # noqa: E731
-        seqs = [s for s in seqs if self.fanout and s.key in self._glue_in and (s.block or s.num_asked)]
+        # A seeded sampled request must draw the same tokens whatever the hits: its blocks from the cache
+        # (drafted on guessed rows) would differ from those drafted on demand, so it gets none.
+        seqs = [s for s in seqs if self.fanout and s.key in self._glue_in and (s.block or s.num_asked) and (s.greedy or not s.seeded)]
         if not seqs or should_stop():
             return
         feeds = [self._glue_feed(s) for s in seqs]

@@ -68,6 +68,7 @@ class OpenSeq:
     # [num_rows, width] in the target's dtype, or None: the target's rows for positions
     # len(token_ids) - 1 - num_rows .. len(token_ids) - 2 (what an EAGLE head reads; None for other drafts)
     hidden_states: torch.Tensor | None = None
+    seeded: bool = False  # the request's own seed: its draws may not depend on speculation-cache hits
 
 
 @dataclass(frozen=True)

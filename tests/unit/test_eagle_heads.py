@@ -88,13 +88,13 @@ def small_vocab_head(tmp_path_factory):
 
 
 def test_sampling_with_a_head_drafting_ahead_follows_the_target(small_vocab_head, ordered_draft_ahead):
-    """Blocks from the cache were drafted on the head's own rows, so a seeded request draws other drafts
-    than without the cache; what it emits must still follow the target's distribution (chi-square on
-    the first three tokens, marginalised exactly)."""
+    """Blocks from the cache were drafted on the head's own rows, not the target's: what an unseeded
+    sampled request emits with them must still follow the target's distribution (chi-square on the
+    first three tokens, marginalised exactly)."""
     from .test_sampling_lossless import NUM_SAMPLES, PROMPT, chi2_pvalue, exact_distributions
 
     target, head = small_vocab_head
-    params = [SamplingParams(temperature=1.0, max_tokens=6, seed=s, ignore_eos=True) for s in range(NUM_SAMPLES)]
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     with LLM(target, draft=head, num_speculative_tokens=3, dtype="float64", adaptive=False, draft_ahead=True,
              draft_ahead_preempt=False) as llm:
         outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
@@ -102,6 +102,24 @@ def test_sampling_with_a_head_drafting_ahead_follows_the_target(small_vocab_head
     assert hits > NUM_SAMPLES // 10  # the cache answered blocks deciding tokens 2 and 3
     for i, p in enumerate(exact_distributions(target, 1.0, 0, 1.0)):
         assert chi2_pvalue([o.token_ids[i] for o in outs], p) > 1e-4
+
+
+def test_a_seeded_request_draws_the_same_with_a_head_drafting_ahead_or_not(small_vocab_head, ordered_draft_ahead):
+    """A head's cached blocks differ from those drafted on demand, so a request with its own seed gets
+    none: its tokens do not depend on drafting ahead. The same requests unseeded do hit (the control)."""
+    from .test_sampling_lossless import PROMPT
+
+    target, head = small_vocab_head
+    seeded = [SamplingParams(temperature=1.0, max_tokens=12, seed=s, ignore_eos=True) for s in range(8)]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    outs, hits = {}, {}
+    for ahead, params in ((True, seeded), (False, seeded), ("control", unseeded)):
+        with LLM(target, draft=head, num_speculative_tokens=3, dtype="float64", adaptive=False, draft_ahead=bool(ahead),
+                 draft_ahead_preempt=False) as llm:
+            outs[ahead] = [o.token_ids for o in llm.generate([PROMPT] * 8, params, use_tqdm=False)]
+            hits[ahead] = llm.metrics()["num_cache_hits"]
+    assert outs[True] == outs[False]
+    assert hits[True] == 0 and hits["control"] > 0
 
 
 def _reference_block(head, target, tokens: list[int], layers, k: int) -> list[int]:
