@@ -205,9 +205,7 @@ class HeadDrafter(ModelDrafter):
         """Each root's input row: the head's own row after the j drafts its verdict accepts."""
         out = torch.zeros(len(seqs), lanes, self.head.config.hidden_size, dtype=self.backend.dtype, device=self.backend.device)
         for i, (s, r) in enumerate(zip(seqs, roots)):
-            own = self._own[s.key]
-            for b, (j, _) in enumerate(r):
-                out[i, b] = own[j]
+            out[i, :len(r)] = torch.stack(self._own[s.key])[[j for j, _ in r]]
         return out
 
     def _feed(self, s: DraftSeq) -> tuple[list[int], torch.Tensor]:
