@@ -81,8 +81,10 @@ def test_nccl_tensor_path(tiny_pair):
 
 @needs_cuda
 @pytest.mark.parametrize("head", ["eagle3", "eagle"])
-def test_a_head_on_cuda_equals_target_only(tmp_path, head):
-    """The target's hidden rows, captured on the GPU, feed an EAGLE head on the GPU; greedy output is the target's."""
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_head_on_cuda_equals_target_only(tmp_path, head, ahead, ordered_draft_ahead):
+    """The target's hidden rows, captured on the GPU, feed an EAGLE head on the GPU (drafting ahead on its
+    own rows too); greedy output is the target's."""
     from ..conftest import make_model
     from ..heads import make_eagle3_head, make_eagle_head
 
@@ -93,10 +95,13 @@ def test_a_head_on_cuda_equals_target_only(tmp_path, head):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(target, dtype="float64", device="cuda") as llm:
         ref = llm.generate(PROMPTS, params, use_tqdm=False)
-    with LLM(target, draft=path, num_speculative_tokens=3, dtype="float64", device="cuda", adaptive=False) as llm:
+    with LLM(target, draft=path, num_speculative_tokens=3, dtype="float64", device="cuda", adaptive=False, draft_ahead=ahead,
+             draft_ahead_preempt=False) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        hits = llm.metrics()["num_cache_hits"]
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    assert (hits > 0) == ahead
 
 
 @needs_cuda
@@ -112,14 +117,17 @@ def test_the_same_prompt_is_prefilled_once_on_cuda(tiny_pair):
 
 
 @needs_cuda
-def test_decode_attention_stays_off_cudnn(tiny_pair):
+def test_decode_attention_stays_off_cudnn(tmp_path):
     """cuDNN's attention builds a graph per key length: a decode step (a new length every step) must not
-    reach it. On an H100 with torch 2.11 PyTorch picks it for bfloat16 unless told not to."""
+    reach it. On an H100 with torch 2.11 PyTorch picks it for bfloat16 (head_dim 64 here) unless told not to."""
     from torch.profiler import ProfilerActivity, profile
 
     from specserve.backends.hf import HFBackend
 
-    backend = HFBackend(tiny_pair["target"], dtype="bfloat16", device="cuda")
+    from ..conftest import make_model
+
+    make_model(tmp_path / "m", hidden=256, layers=2)  # 4 heads of 64
+    backend = HFBackend(str(tmp_path / "m"), dtype="bfloat16", device="cuda")
     backend.add("a")
     backend.add("b")
     logits = backend.forward(["a", "b"], [PROMPTS[0], PROMPTS[2]], [1, 1])
