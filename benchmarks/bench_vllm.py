@@ -33,7 +33,8 @@ everything to results.json, a plot to speedup_vs_batch.png.
     python -m benchmarks.bench_vllm --quick                  # tiny sizes, every system once (~10 min)
     python -m benchmarks.bench_vllm --pairs demo-eagle       # the demo target's EAGLE-3 head: vLLM's colocated EAGLE-3
                                                              # vs the head on the draft node fed by specserve's engine
-                                                             # (drafting ahead, and ``specserve head no-ahead`` without)
+                                                             # (drafting ahead, and ``specserve head no-ahead`` without),
+                                                             # and the head beside a vLLM target (``specserve vllm target + head``)
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class VLLMRunner:
 
 
 class SpecserveRunner:
-    """specserve with a vLLM target (or, ``own_engine``, specserve's transformers engine: what feeds an
-    EAGLE head the target's hidden states) on the target node and a transformers draft on the draft node."""
+    """specserve with a vLLM target (or, ``own_engine``, specserve's transformers engine) on the target node and a
+    transformers draft (or an EAGLE head, fed the target's hidden states by either engine) on the draft node."""
 
     def __init__(self, target: str, draft: str, options: dict, vllm_options: dict, own_engine: bool = False):
         from specserve import LLM
@@ -188,6 +189,7 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
                 target, draft, {**common, "channel_delay_ms": delay}, options, own_engine=True)
         out[f"specserve head k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options, own_engine=True)
         out["specserve head no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options, own_engine=True)
+        out["specserve vllm target + head"] = lambda: SpecserveRunner(target, draft, common, options)  # vLLM's runner feeds the head
         out["specserve own target-only"] = lambda: SpecserveRunner(target, draft, {"num_speculative_tokens": 0}, options, own_engine=True)
         return out
     for delay in args.delays_ms:

@@ -99,7 +99,8 @@ def check_target(spec: HeadSpec, target: dict) -> None:
     hello: hidden_size, num_hidden_layers, vocab_size)."""
     hidden, depth, vocab = target.get("hidden_size"), target.get("num_hidden_layers"), target.get("vocab_size")
     if hidden is None or depth is None:
-        raise ValueError("the target does not expose hidden states (an EAGLE head needs specserve's transformers target)")
+        raise ValueError("the target does not expose hidden states (an EAGLE head needs specserve's own target engine, or its "
+                         "vLLM target engine started with the head as its draft)")
     if spec.target_hidden_size != hidden:
         raise ValueError(f"target_hidden_size: the head reads {spec.target_hidden_size}-wide hidden states, the target's "
                          f"hidden_size is {hidden}")

@@ -100,7 +100,8 @@ class TargetSide:
     def keep_hidden(self, layers: tuple[int, ...]) -> None:
         """From now on, every forward keeps these layers' rows for the drafts (an EAGLE head connected)."""
         if not self.hidden_info():
-            raise ValueError("this target backend does not expose hidden states (EAGLE heads need specserve's transformers target)")
+            raise ValueError("this target backend does not expose hidden states (EAGLE heads need specserve's transformers "
+                             "or vLLM target engine)")
         self.hidden_layers = self.backend.capture_layers = tuple(layers)
 
     def _captured(self) -> torch.Tensor | None:

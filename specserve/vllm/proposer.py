@@ -35,6 +35,7 @@ from . import patches
 
 logger = logging.getLogger("specserve.vllm")
 RECONCILE_EVERY = 64  # steps between checks that every sequence held here is still live in vLLM
+MAX_HELD_ROWS = 256  # hidden rows kept per sequence until the head hears of them (older ones read as zeros there)
 
 
 @dataclass
@@ -94,6 +95,10 @@ class RemoteDraftProposer:
         self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm) of the last ask
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         self._prev_arm = None  # the arm of the last step's ask
+        layers = opts.get("hidden_layers")
+        self.hidden_layers: tuple[int, ...] | None = tuple(layers) if layers else None  # an EAGLE head's rows, fixed at launch
+        self._rows: dict[str, list] = {}  # request id -> committed positions' rows the draft has not heard of yet
+        self._step_hidden = None  # this step's (hidden_states, aux_hidden_states), from the runner
         if not _is_output_rank():
             return  # vLLM takes the output rank's drafts; this rank proposes nothing
         if self.runner is None:
@@ -112,10 +117,13 @@ class RemoteDraftProposer:
         self._hook_step_timer()
         device = str(getattr(getattr(vllm_config, "device_config", None), "device", "cpu") or "cpu")
         hello_info = {**link.hello_info, "placement": placement(device)}
+        if self.hidden_layers is not None:
+            hello_info.update(self._hook_hidden_states(vllm_config))
         self.pool = DraftPool(
             discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config), hello_info),
             reopen=self._reopen, min_timeout_s=float(opts.get("min_timeout_s", 0.5)),
             max_timeout_s=float(opts.get("max_timeout_s", 10.0)), background=link.background,
+            keep_hidden=self._keep_hidden if self.hidden_layers is not None else None,
         )
         threading.Thread(target=self._idle_flush, name="specserve-proposer-flush", daemon=True).start()
         logger.info("RemoteDraftProposer: k<=%d (%s), target %s", self.k, "adaptive" if self.controller.adaptive else "fixed",
@@ -155,8 +163,73 @@ class RemoteDraftProposer:
 
         self.runner.execute_model = execute_model
 
+    # -- hidden states for an EAGLE head ----------------------------------------------------------
+    def _hook_hidden_states(self, vllm_config) -> dict:
+        """Make vLLM's runner keep the rows the head reads and hand them to this proposer each step;
+        returns what the hello tells the head (width, depth, dtype).
+
+        The seam: vLLM's runner computes EAGLE-3's auxiliary layers when ``use_aux_hidden_state_outputs``
+        is set before it loads the model, takes the layer ids from ``_get_eagle3_aux_layers_from_config``
+        (here: the head's, fixed at launch), and passes the step's final and auxiliary hidden states to
+        ``propose_draft_token_ids``, which calls ``propose``; the rows of batch row i are
+        ``query_start_loc[i]:query_start_loc[i + 1]``. EAGLE-1 reads the final hidden state, which it
+        computes anyway."""
+        import inspect
+
+        from ..eagle import FINAL
+
+        runner, layers = self.runner, self.hidden_layers
+        if layers != (FINAL,):
+            runner.use_aux_hidden_state_outputs = True
+            runner._get_eagle3_aux_layers_from_config = lambda: list(layers)
+        original = runner.propose_draft_token_ids
+        signature = inspect.signature(original)
+
+        def propose_draft_token_ids(*args, _original=original, **kwargs):
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            self._step_hidden = (bound.get("hidden_states"), bound.get("aux_hidden_states"))
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                self._step_hidden = None
+
+        runner.propose_draft_token_ids = propose_draft_token_ids
+        hf = vllm_config.model_config.hf_config
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        dtype = str(vllm_config.model_config.dtype).split(".")[-1]
+        return {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers, "hidden_dtype": dtype}
+
+    def _keep_hidden(self, layers: tuple[int, ...]) -> None:
+        if tuple(layers) != self.hidden_layers:
+            raise ValueError(f"this vLLM target keeps the rows of layers {list(self.hidden_layers)} (set at launch from the "
+                             f"draft's config); the head reads {list(layers)}")
+
+    def _hold_rows(self, rid: str, i: int, num_committed: int | None) -> None:
+        """Keep the rows of batch row i's first ``num_committed`` scheduled tokens (None: all of them)."""
+        hidden, aux = self._step_hidden or (None, None)
+        loc = getattr(getattr(self.runner, "query_start_loc", None), "np", None)
+        if hidden is None or loc is None:
+            return
+        start, end = int(loc[i]), int(loc[i + 1])
+        end = end if num_committed is None else min(end, start + num_committed)
+        if end <= start:
+            return
+        rows = _torch().cat([h[start:end] for h in aux], dim=-1) if aux else hidden[start:end].clone()
+        held = self._rows.setdefault(rid, [])
+        held.append(rows)
+        if sum(r.shape[0] for r in held) > 2 * MAX_HELD_ROWS:
+            self._rows[rid] = [_torch().cat(held, dim=0)[-MAX_HELD_ROWS:]]
+
+    def _take_rows(self, rid: str):
+        held = self._rows.pop(rid, None)
+        if not held:
+            return None
+        rows = held[0] if len(held) == 1 else _torch().cat(held, dim=0)
+        return rows[-MAX_HELD_ROWS:]
+
     def close(self, rid: str) -> None:
         with self._lock:
+            self._rows.pop(rid, None)
             seq = self.seqs.pop(rid, None)
             if seq is not None:
                 self._num_seeded -= seq.seeded
@@ -171,7 +244,12 @@ class RemoteDraftProposer:
 
     def _reopen(self, rid: str) -> OpenSeq | None:
         seq = self.seqs.get(rid)
-        return None if seq is None else OpenSeq(rid, list(seq.token_ids))  # greedy drafts: point masses
+        if seq is None:
+            return None
+        # Greedy drafts (point masses). A head gets the held rows when they end where the tokens do (at an
+        # open; a later re-open may hold rows of tokens not yet told, and the head reads zeros instead).
+        rows = self._take_rows(rid) if self.hidden_layers is not None else None
+        return OpenSeq(rid, list(seq.token_ids), hidden_states=rows if seq.length == len(seq.token_ids) else None)
 
     def _open(self, rid: str, token_ids: list[int]) -> _Seq:
         seq = self.seqs[rid] = _Seq(token_ids, len(token_ids), seeded=self._seeded_sampled(rid))
@@ -199,7 +277,8 @@ class RemoteDraftProposer:
         seq.block, seq.block_base = [], -1
         if appended:
             seq.token_ids.extend(appended)
-            self.pool.result(VerifyResult(rid, base, accepted, appended))
+            rows = self._take_rows(rid) if self.hidden_layers is not None else None
+            self.pool.result(VerifyResult(rid, base, accepted, appended, rows))
 
     def _room(self, rid: str, length: int) -> int:
         """Draft tokens this sequence can use: within max_tokens and the context, leaving the bonus token."""
@@ -258,9 +337,13 @@ class RemoteDraftProposer:
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
                 prefill = True
+                if self.hidden_layers is not None:
+                    self._hold_rows(req_ids[i], i, None)
                 continue
             rid, length = req_ids[i], int(num_tokens_no_spec[i])
             seq = self.seqs.get(rid)
+            if self.hidden_layers is not None:  # prompt rows, or the verify input's and the accepted drafts'
+                self._hold_rows(rid, i, None if seq is None else len(sampled))
             if seq is None:
                 prefill = True
                 # .tolist(): the whole prompt travels in the OpenSeq.

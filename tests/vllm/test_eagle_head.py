@@ -3,8 +3,9 @@
 Both run the same head on the same target and prompts at the same fixed k, greedy. Equal mean
 acceptance lengths say that specserve hands the head the rows vLLM hands it (the target's
 layers 1, 2, 3, at the committed positions): rows from the wrong layer or position would
-draft worse. specserve's output equals its own target-only output (the two engines' float32
-kernels differ, so their outputs are not compared token for token).
+draft worse. With specserve's own target engine, the output equals its own target-only output
+(the two engines' float32 kernels differ, so their outputs are not compared token for token);
+with a vLLM target and the head on the draft node, it equals vLLM's target-only output.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import resolve_model
 
-from .conftest import start_runner
+from .conftest import VLLM_OPTIONS, start_runner, vllm_greedy
 
 K = 3
 MAX_TOKENS = 48
@@ -27,18 +28,26 @@ def prompts():
     return heldout_prompts(resolve_model("demo:target"), 8, 48)[0]
 
 
-def test_demo_head_accepts_in_specserve_what_it_accepts_in_vllms_eagle(ray_cluster, prompts):
+GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def vllm_mal(ray_cluster, prompts):
+    """Mean acceptance length of the head in vLLM's own colocated EAGLE-3."""
     import ray
 
-    greedy = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     runner = start_runner(model=resolve_model("demo:target"), disable_log_stats=False,
                           speculative_config={"method": "eagle3", "model": resolve_model("demo:eagle"), "num_speculative_tokens": K})
     try:
-        ray.get(runner.generate.remote(prompts, greedy))
+        ray.get(runner.generate.remote(prompts, GREEDY))
         spec = ray.get(runner.spec_metrics.remote())
     finally:
         ray.kill(runner)
-    vllm_mal = 1 + spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+    return 1 + spec["vllm:spec_decode_num_accepted_tokens"] / spec["vllm:spec_decode_num_drafts"]
+
+
+def test_demo_head_accepts_in_specserve_what_it_accepts_in_vllms_eagle(ray_cluster, prompts, vllm_mal):
+    greedy = GREEDY
 
     with LLM("demo:target", draft="demo:eagle", num_speculative_tokens=K, adaptive=False, dtype="float32") as llm:
         outs = llm.generate(prompts, SamplingParams(**greedy), use_tqdm=False)
@@ -48,3 +57,18 @@ def test_demo_head_accepts_in_specserve_what_it_accepts_in_vllms_eagle(ray_clust
     print(f"mean acceptance length at k={K}: specserve {ours_mal:.3f}, vLLM's EAGLE-3 {vllm_mal:.3f}")
     assert ours_mal > 1.5, ours_mal  # a trained head: real acceptance
     assert abs(ours_mal - vllm_mal) <= 0.05 * vllm_mal, (ours_mal, vllm_mal)
+
+
+def test_a_head_on_the_draft_node_reads_a_vllm_targets_rows(ray_cluster, prompts, vllm_mal):
+    """vLLM's runner keeps the head's layers and hands each step's rows to specserve's proposer, which sends the
+    committed positions' rows to the head on the draft node: output equals vLLM target-only, acceptance vLLM's own."""
+    reference = vllm_greedy(resolve_model("demo:target"), prompts, MAX_TOKENS)
+    with LLM("demo:target", draft="demo:eagle", ray=True, target_backend="vllm", target_backend_options=VLLM_OPTIONS,
+             num_speculative_tokens=K, adaptive=False, target_num_cpus=0.5, draft_num_cpus=0.5, draft_min_timeout_s=5.0) as llm:
+        outs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == reference
+    assert m["drafts"]["hidden_bytes"] > 0 and m["drafts"]["num_drafts_up"] == 1
+    mal = 1 + m["num_accepted_tokens"] / m["num_drafts"]
+    print(f"mean acceptance length at k={K}: specserve with a vLLM target {mal:.3f}, vLLM's EAGLE-3 {vllm_mal:.3f}")
+    assert abs(mal - vllm_mal) <= 0.05 * vllm_mal, (mal, vllm_mal)
