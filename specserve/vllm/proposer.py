@@ -16,6 +16,8 @@ sends nothing, and the committed tokens reach the draft with the next block it i
 vLLM passes no request ids and has no finish hook: both come from the model runner that
 constructs this object (``input_batch.req_ids``, its request-removed hook). A draft that
 fails or answers late means empty proposals (target-only steps), never a failed request.
+For an EAGLE head (``hidden_layers`` set at launch) the runner also keeps the head's layers,
+and each step's committed positions' rows ride with the deltas (``_hook_hidden_states``).
 """
 
 from __future__ import annotations
