@@ -150,7 +150,8 @@ class SpecserveRunner:
                 tm = m["timing"]
                 tm["verify_s"], tm["specserve_s"] = tm["target_forward_s"], tm["wall_s"] - tm["target_forward_s"] - tm["draft_wait_s"]
                 m["num_proposals"], m["num_verify_steps"] = m["num_speculative_steps"], m["num_steps"]
-                m["hidden_bytes"] = (m.get("drafts") or {}).get("hidden_bytes", 0)
+        for m in (before, after):  # a head's input on the wire (either engine)
+            m["hidden_bytes"] = (m.get("drafts") or {}).get("hidden_bytes", 0)
         d = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731  (no draft: no proposer counters)
         t = {key: after["timing"].get(key, 0.0) - before["timing"].get(key, 0.0) for key in after["timing"]}
         steps, spec, verify = max(1, d("num_steps")), max(1, d("num_proposals")), max(1, d("num_verify_steps"))
