@@ -1,4 +1,4 @@
-"""EAGLE-1 and EAGLE-3 draft heads: recognised from a checkpoint's config.json, built from transformers' Llama parts.
+"""EAGLE-1, EAGLE-3 and DeepSeek-V3 MTP draft heads: recognised from a checkpoint's config.json, built from transformers' parts.
 
 A head drafts from the target's own hidden states: at position t it reads the target's
 row for t and the embedding of token t + 1 and predicts token t + 2; its next step reads
@@ -8,7 +8,10 @@ target's aux layers, its own norm and LM head over a reduced vocabulary with ``d
 ``EagleLlamaForCausalLM``: ``fc`` over cat(embedding, hidden), one decoder layer) and the
 ``speculators`` format (``speculators_model_type: eagle3``). Weights the head shares with
 its target (embedding, LM head) are read from the target's safetensors by name, those
-tensors only. Knows nothing of drafting or the wire.
+tensors only. A DeepSeek-V3 checkpoint whose config has ``num_nextn_predict_layers`` holds
+its own head: its multi-token-prediction layer, stored as layer N (vLLM's DeepSeekMTP;
+``MtpHead``), read by name from the checkpoint without the rest. Knows nothing of drafting or
+the wire.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ EAGLE_ARCHS = {"EagleLlamaForCausalLM", "LlamaForCausalLMEagle"}
 FINAL = -1  # a head that reads the target's final (normed) hidden state (EAGLE-1)
 
 
+MTP_MODEL_TYPES = {"deepseek_v3"}  # checkpoints whose multi-token-prediction layer drafts (num_nextn_predict_layers >= 1)
+
+
 @dataclass(frozen=True)
 class HeadSpec:
-    kind: str  # "eagle3" or "eagle"
+    kind: str  # "eagle3", "eagle" or "mtp"
     config: dict  # the Llama layer's config (hidden_size, heads, rope, ...)
     vocab_size: int  # the target's vocabulary (ids the head emits)
     draft_vocab_size: int  # the head's LM head width (EAGLE-3 may reduce it; d2t maps back)
@@ -53,6 +59,9 @@ def head_spec(path: str) -> HeadSpec | None:
     if cfg is None:
         return None
     archs = set(cfg.get("architectures") or [])
+    if cfg.get("model_type") in MTP_MODEL_TYPES and int(cfg.get("num_nextn_predict_layers") or 0) >= 1:
+        vocab = int(cfg["vocab_size"])
+        return HeadSpec("mtp", cfg, vocab, vocab, int(cfg["hidden_size"]), None, False, None)
     if cfg.get("speculators_model_type") == "eagle3":
         layer = dict(cfg.get("transformer_layer_config") or {})
         verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
@@ -80,8 +89,8 @@ def head_spec(path: str) -> HeadSpec | None:
 
 def target_layers(spec: HeadSpec, num_target_layers: int) -> tuple[int, ...]:
     """The target rows the head reads: EAGLE-3's aux layers (vLLM's default (2, N//2, N-3) unless
-    the head names them), or the final hidden state (EAGLE-1)."""
-    if spec.kind == "eagle":
+    the head names them), or the final hidden state (EAGLE-1, MTP)."""
+    if spec.kind in ("eagle", "mtp"):
         return (FINAL,)
     if spec.layer_ids is not None:
         return spec.layer_ids
@@ -207,6 +216,76 @@ class EagleHead(_Head):
         return SimpleNamespace(logits=self._logits(out), hidden=out)
 
 
+class MtpHead(_Head):
+    """DeepSeek-V3's multi-token-prediction layer, as vLLM's DeepSeekMTP runs it: eh_proj over
+    cat(enorm(embedding), hnorm(the target's final hidden state)) (the embedding zeroed at
+    position 0), one DeepSeek-V3 decoder layer (MLA attention and the MoE block, as layer N is in
+    the checkpoint), then shared_head: its norm and LM head. The rows the next step reads are
+    the layer's output before that norm."""
+
+    def __init__(self, spec: HeadSpec):
+        nn.Module.__init__(self)
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3DecoderLayer, DeepseekV3RMSNorm,
+                                                                          DeepseekV3RotaryEmbedding)
+
+        self.spec = spec
+        keys = {k: v for k, v in spec.config.items() if k not in ("architectures", "auto_map", "model_type", "transformers_version")}
+        self.config = c = DeepseekV3Config(**keys)
+        c._attn_implementation = "sdpa"
+        h, eps = c.hidden_size, c.rms_norm_eps
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.enorm, self.hnorm = DeepseekV3RMSNorm(h, eps=eps), DeepseekV3RMSNorm(h, eps=eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.layer = DeepseekV3DecoderLayer(c, layer_idx=c.num_hidden_layers)
+        self.layer.self_attn.layer_idx = 0  # (the head's own cache holds this one layer)
+        self.rotary = DeepseekV3RotaryEmbedding(c)
+        self.norm = DeepseekV3RMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, spec.vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.vocab_size, dtype=torch.long))  # (the identity: unused)
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values, hidden_states, logits_to_keep=1, **_):
+        embeds = self.embed_tokens(input_ids).masked_fill((position_ids == 0)[..., None], 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden_states)], dim=-1))
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                         position_embeddings=self.rotary(x, position_ids))
+        out = (out[0] if isinstance(out, tuple) else out)[:, -logits_to_keep:]
+        return SimpleNamespace(logits=self._logits(self.norm(out)), hidden=out)
+
+
+def _mtp_weights(path: str, num_layers: int) -> dict[str, torch.Tensor]:
+    """The MTP layer's tensors (``model.layers.<N>.*``), by name: the rest of the checkpoint is never read."""
+    from safetensors import safe_open
+
+    prefix = f"model.layers.{num_layers}."
+    rename = {"shared_head.norm.": "norm.", "shared_head.head.": "lm_head."}
+    out: dict[str, torch.Tensor] = {}
+    for file in _safetensors(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith(prefix):
+                    continue
+                name = key[len(prefix):]
+                for old, new in rename.items():
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                if name.split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+                    name = "layer." + name
+                out[name] = f.get_tensor(key)
+    # Released checkpoints keep one tensor per expert; transformers' block holds them stacked.
+    per_expert = sorted({int(k.split(".")[3]) for k in out if k.startswith("layer.mlp.experts.") and k.split(".")[3].isdigit()})
+    if per_expert:
+        def e(i: int, name: str) -> torch.Tensor:
+            if f"layer.mlp.experts.{i}.{name}.weight" not in out:
+                raise ValueError(f"draft {path!r}: the MTP layer lacks {prefix}mlp.experts.{i}.{name}.weight")
+            return out.pop(f"layer.mlp.experts.{i}.{name}.weight")
+
+        experts = [(e(i, "gate_proj"), e(i, "up_proj"), e(i, "down_proj")) for i in per_expert]
+        out["layer.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in experts])
+        out["layer.mlp.experts.down_proj"] = torch.stack([d for _, _, d in experts])
+    return out
+
+
 # -- loading -----------------------------------------------------------------------------------
 def _local_name(name: str, kind: str) -> str:
     """A checkpoint's tensor name (vLLM native or speculators) as this module names it."""
@@ -247,16 +326,20 @@ def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype
 
     spec = head_spec(path)
     if spec is None:
-        raise ValueError(f"draft {path!r} is not an EAGLE head (config.json names no EAGLE architecture)")
+        raise ValueError(f"draft {path!r} is not a draft head (config.json names no EAGLE architecture nor an MTP layer)")
     layers = target_layers(spec, num_target_layers)
-    head = Eagle3Head(spec, len(layers)) if spec.kind == "eagle3" else EagleHead(spec)
     weights: dict[str, torch.Tensor] = {}
-    for file in _safetensors(path):
-        for name, t in load_file(file).items():
-            if name != "t2d":
-                weights[_local_name(name, spec.kind)] = t
+    if spec.kind == "mtp":  # the layer lives in the target's own checkpoint
+        head = MtpHead(spec)
+        weights = _mtp_weights(path, head.config.num_hidden_layers)
+    else:
+        head = Eagle3Head(spec, len(layers)) if spec.kind == "eagle3" else EagleHead(spec)
+        for file in _safetensors(path):
+            for name, t in load_file(file).items():
+                if name != "t2d":
+                    weights[_local_name(name, spec.kind)] = t
     wanted = {"embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight")}
-    if spec.kind == "eagle":  # EAGLE-1 decodes with the target's LM head (tied: its embedding)
+    if spec.kind in ("eagle", "mtp"):  # EAGLE-1 decodes with the target's LM head (tied: its embedding); MTP may share it
         wanted["lm_head.weight"] = ("lm_head.weight", "model.embed_tokens.weight")
     missing = {k: v for k, v in wanted.items() if k not in weights}
     if missing:

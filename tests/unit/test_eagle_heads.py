@@ -131,7 +131,7 @@ def _reference_block(head, target, tokens: list[int], layers, k: int) -> list[in
         ids, block = list(tokens[1:]), []
         for _ in range(k):
             n = len(ids)
-            mask = torch.full((n, n), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+            mask = torch.full((n, n), float("-inf"), dtype=rows.dtype).triu(1)[None, None]
             res = head(torch.tensor([ids]), torch.arange(n)[None], mask, None, rows[None], logits_to_keep=1)
             block.append(int(res.logits[0, -1].argmax()))
             ids.append(block[-1])
