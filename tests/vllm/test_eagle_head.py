@@ -59,16 +59,34 @@ def test_demo_head_accepts_in_specserve_what_it_accepts_in_vllms_eagle(ray_clust
     assert abs(ours_mal - vllm_mal) <= 0.05 * vllm_mal, (ours_mal, vllm_mal)
 
 
-def test_a_head_on_the_draft_node_reads_a_vllm_targets_rows(ray_cluster, prompts, vllm_mal):
+@pytest.fixture(scope="module")
+def vllm_reference(ray_cluster, prompts):
+    return vllm_greedy(resolve_model("demo:target"), prompts, MAX_TOKENS)
+
+
+def _vllm_target_with_the_head(**kw) -> LLM:
+    return LLM("demo:target", draft="demo:eagle", ray=True, target_backend="vllm", target_backend_options=VLLM_OPTIONS,
+               num_speculative_tokens=K, adaptive=False, target_num_cpus=0.5, draft_num_cpus=0.5, draft_min_timeout_s=5.0, **kw)
+
+
+def test_a_head_on_the_draft_node_reads_a_vllm_targets_rows(ray_cluster, prompts, vllm_mal, vllm_reference):
     """vLLM's runner keeps the head's layers and hands each step's rows to specserve's proposer, which sends the
     committed positions' rows to the head on the draft node: output equals vLLM target-only, acceptance vLLM's own."""
-    reference = vllm_greedy(resolve_model("demo:target"), prompts, MAX_TOKENS)
-    with LLM("demo:target", draft="demo:eagle", ray=True, target_backend="vllm", target_backend_options=VLLM_OPTIONS,
-             num_speculative_tokens=K, adaptive=False, target_num_cpus=0.5, draft_num_cpus=0.5, draft_min_timeout_s=5.0) as llm:
+    with _vllm_target_with_the_head() as llm:
         outs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
         m = llm.metrics()
-    assert [o.token_ids for o in outs] == reference
+    assert [o.token_ids for o in outs] == vllm_reference
     assert m["drafts"]["hidden_bytes"] > 0 and m["drafts"]["num_drafts_up"] == 1
     mal = 1 + m["num_accepted_tokens"] / m["num_drafts"]
     print(f"mean acceptance length at k={K}: specserve with a vLLM target {mal:.3f}, vLLM's EAGLE-3 {vllm_mal:.3f}")
     assert abs(mal - vllm_mal) <= 0.05 * vllm_mal, (mal, vllm_mal)
+
+
+def test_a_head_drafting_ahead_beside_a_vllm_target_stays_exact(ray_cluster, prompts, vllm_reference):
+    """The head's speculation cache on the vLLM path: blocks from it (drafted on the head's own rows) are
+    verified by vLLM; output equals vLLM target-only."""
+    with _vllm_target_with_the_head(draft_ahead=True, draft_ahead_preempt=False) as llm:
+        outs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+        m = llm.metrics()
+    assert [o.token_ids for o in outs] == vllm_reference
+    assert m["num_cache_hits"] > 0
