@@ -18,7 +18,7 @@ from typing import Callable
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
 from .devices import placement
-from .eagle import head_spec
+from .eagle import fc_on_target, head_fc, head_spec
 from .draft import NgramDrafter
 from .model_drafter import ModelDrafter
 from .draft_service import DraftService
@@ -125,6 +125,10 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
     if own is not None:
         return own(cfg, link, name)
     target = build_target(cfg)
+    if fc_on_target(cfg, cfg.target.device):
+        weight, digest = head_fc(cfg.draft.model)
+        backend = target.backend
+        target.hidden_fc = (weight.to(device=backend.device, dtype=backend.dtype), digest)
     spec = cfg.speculation
     controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
     core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)

@@ -83,6 +83,7 @@ class SpeculationConfig(_Section):
     draft_ahead_preempt: bool = Field(True, description="Stop drafting ahead as soon as the next request arrives; false finishes the tree first (deterministic hits, for tests and measurements).")
     fanout: int = Field(4, ge=1, le=16, description="Speculation cache: most candidate tokens per verdict position.")
     max_branches: int | None = Field(None, ge=1, description="Speculation cache: most branches per sequence (default (k+1) x fanout; fewer when the time the target's verify leaves does not fit them).")
+    head_fc: Literal["auto", "draft", "target"] = Field("auto", description="Where an EAGLE-3 head's fc runs: on the target (one H-wide row per committed position crosses the link instead of three; a 3H x H product per row on the target) or on the draft; auto: the target when it computes on a GPU, where that product costs next to nothing.")
     first_step_drafts: bool = Field(False, description="specserve's engine: a new sequence's first step speculates too, so its first token waits for a verify step and for the draft to prefill the prompt (off: greedy and unseeded requests take the first token from the prefill's logits, as the vLLM target engine does, and their next step goes without drafts; seeded sampled requests always speculate from the first step).")
     draft_timeout_s: float = Field(10.0, gt=0, description="Longest wait for a draft reply (steady state uses ~20x the measured round trip).")
     draft_min_timeout_s: float = Field(0.5, gt=0, description="Shortest timeout of a draft reply.")

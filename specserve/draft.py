@@ -58,6 +58,7 @@ class DraftSeq:
     verdict: tuple[int, int, int] | None = None  # (base_len, num_accepted, last token) of the last result
     hidden: list = field(default_factory=list)  # [(first position, [rows, width] tensor)]: target rows a head has not read
     seeded: bool = False  # the request's own seed (a head keeps no speculation cache for it when sampled)
+    rows_combined: bool = False  # the target sends a head's rows through its fc already (speculation.head_fc)
 
     @property
     def greedy(self) -> bool:
@@ -125,9 +126,11 @@ class NgramDrafter:
 class DraftSide:
     """Owns one target connection's sequences; speaks ``ProposeRequest`` -> ``ProposeReply``."""
 
-    def __init__(self, drafter: Drafter, namespace: str = "", vocab_limit: int | None = None, max_seqs: int | None = None):
+    def __init__(self, drafter: Drafter, namespace: str = "", vocab_limit: int | None = None, max_seqs: int | None = None,
+                 rows_combined: bool = False):
         self.drafter = drafter
         self.namespace = namespace
+        self.rows_combined = rows_combined  # this target applies the head's fc to the rows it sends
         self.max_seqs = max_seqs  # sequences this connection may hold open; the rest are refused
         backend = getattr(drafter, "backend", None)
         self.max_len = getattr(backend, "max_model_len", None)  # a sequence past the draft's context cannot be drafted for
@@ -141,7 +144,8 @@ class DraftSide:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
             self.close(msg.request_id)
         seq = DraftSeq(msg.request_id, f"{self.namespace}{msg.request_id}", list(msg.token_ids), msg.temperature,
-                       msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit, seeded=msg.seeded)
+                       msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit, seeded=msg.seeded,
+                       rows_combined=self.rows_combined)
         if msg.hidden_states is not None:
             seq.hidden.append((len(msg.token_ids) - 1 - msg.hidden_states.shape[0], msg.hidden_states))
         self.drafter.open(seq)

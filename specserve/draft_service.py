@@ -63,7 +63,8 @@ class DraftService:
             if old is not None:
                 old.close_all()
             widths = _widths(msg.vocab, self.fingerprint)
-            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/", vocab_limit=widths[0], max_seqs=self.max_seqs)
+            self.sides[conn] = DraftSide(self.drafter, namespace=f"{conn}/", vocab_limit=widths[0], max_seqs=self.max_seqs,
+                                         rows_combined=msg.info.get("hidden_fc") is not None)
             self.targets[conn] = {"target": msg.target_id, "num_requests": 0}
             ahead, why = self._ahead_for(msg.info)
             if ahead:

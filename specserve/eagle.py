@@ -320,6 +320,32 @@ def _shared_from_target(target: str, names: dict[str, tuple[str, ...]]) -> dict[
     return found
 
 
+def head_fc(path: str) -> tuple[torch.Tensor, str] | None:
+    """An EAGLE-3 head's fc weight as its checkpoint stores it, and a digest of it (None: a head without one)."""
+    import hashlib
+
+    spec = head_spec(path)
+    if spec is None or spec.kind != "eagle3":
+        return None
+    found = _shared_from_target(path, {"fc.weight": ("fc.weight", "model.fc.weight")})
+    if "fc.weight" not in found:
+        raise ValueError(f"draft {path!r}: the head's checkpoint holds no fc.weight")
+    weight = found["fc.weight"].contiguous()
+    return weight, hashlib.sha256(weight.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def fc_on_target(cfg, target_device: str) -> bool:
+    """Whether the target applies the EAGLE-3 head's fc before its rows travel (``speculation.head_fc``)."""
+    d = cfg.draft
+    if d is None or not d.model or d.backend != "hf":
+        return False
+    spec = head_spec(d.model)
+    if spec is None or spec.kind != "eagle3":
+        return False
+    mode = cfg.speculation.head_fc
+    return mode == "target" or (mode == "auto" and str(target_device).startswith("cuda"))
+
+
 def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> _Head:
     """The head in ``path``; embedding (and EAGLE-1's LM head) from ``target`` when the head has none."""
     from safetensors.torch import load_file

@@ -26,7 +26,7 @@ import torch
 
 from .backends.hf import HFBackend, model_max_len, resolve_dtype
 from .draft import DraftSeq, Proposal
-from .eagle import check_target, head_spec, load_head, target_info, target_layers
+from .eagle import check_target, head_fc, head_spec, load_head, target_info, target_layers
 from .model_drafter import ModelDrafter
 
 
@@ -58,6 +58,7 @@ class HeadDrafter(ModelDrafter):
         self.hidden_layers = hidden_layers  # the target rows it reads (told to the target at connect)
         self.target_model = target_model  # whose tokenizer names its ids
         self.head = backend.model
+        self.fc_digest: str | None = None  # the digest of the head's fc as stored (a target may apply it: speculation.head_fc)
         self._read: dict[str, int] = {}  # sequence key -> positions read with the target's rows
         self._last: dict[str, torch.Tensor] = {}  # sequence key -> the last of those rows, combined ([hidden])
         self._own: dict[str, list[torch.Tensor]] = {}  # sequence key -> the head's own rows after the block's entries
@@ -68,6 +69,9 @@ class HeadDrafter(ModelDrafter):
         check_target(self.spec, info)
         if target_layers(self.spec, info["num_hidden_layers"]) != self.hidden_layers:
             raise ValueError(f"num_hidden_layers: the head was set up for a target of other depth than {info['num_hidden_layers']}")
+        if info.get("hidden_fc") is not None and info["hidden_fc"] != self.fc_digest:
+            raise ValueError(f"hidden_fc: the target applies an fc (digest {info['hidden_fc']}) that is not this head's "
+                             f"({self.fc_digest}): its rows would be read wrong")
 
     def open(self, seq: DraftSeq) -> None:
         super().open(seq)
@@ -217,13 +221,14 @@ class HeadDrafter(ModelDrafter):
             read -= 1
             rows = self._last[s.key][None]
         else:
-            raw = torch.zeros(n - 1 - read, self.head.fc.in_features if self.spec.kind == "eagle3" else self.head.config.hidden_size,
+            combined = s.rows_combined or self.spec.kind != "eagle3"  # (the target applied the fc, or there is none)
+            raw = torch.zeros(n - 1 - read, self.head.config.hidden_size if combined else self.head.fc.in_features,
                               dtype=self.backend.dtype, device=self.backend.device)
             for first, t in s.hidden:  # later rows overwrite earlier ones for the same positions
                 lo, hi = max(first, read), min(first + t.shape[0], n - 1)
                 if lo < hi:
                     raw[lo - read: hi - read] = t[lo - first: hi - first].to(raw.device, raw.dtype)
-            rows = self.head.combine(raw)
+            rows = raw if s.rows_combined else self.head.combine(raw)
         s.hidden.clear()
         self.backend.truncate(s.key, read)
         self._read[s.key] = n - 1
@@ -258,4 +263,7 @@ def build_head_drafter(cfg, fanout: int = 0) -> HeadDrafter:
     head = load_head(d.model, t.model, target["num_hidden_layers"], resolve_dtype(d.dtype) if d.dtype != "auto" else torch.float32,
                      d.device)
     sp = cfg.speculation
-    return HeadDrafter(HeadBackend(head), spec, layers, t.model, sp.draft_probs, fanout, sp.max_branches, sp.draft_ahead_preempt)
+    drafter = HeadDrafter(HeadBackend(head), spec, layers, t.model, sp.draft_probs, fanout, sp.max_branches, sp.draft_ahead_preempt)
+    fc = head_fc(d.model)
+    drafter.fc_digest = fc[1] if fc is not None else None
+    return drafter

@@ -51,6 +51,7 @@ class TargetSide:
         self.forward_s = 0.0  # time in verify forwards, for the engine's step breakdown
         self._grammars = None  # structured.Grammars, built with the first constrained request
         self.hidden_layers: tuple[int, ...] | None = None  # the rows an EAGLE head reads (None: no head connected)
+        self.hidden_fc: tuple[torch.Tensor, str] | None = None  # (weight, digest): an EAGLE-3 head's fc, applied here
         # Live sequences by prompt (all but its last token, what a prefill caches): a request with the
         # same prompt (the n choices of one request) copies those rows instead of prefilling them again.
         self._by_prompt: dict[tuple[int, ...], set[str]] = {}
@@ -93,9 +94,17 @@ class TargetSide:
         return self._grammars
 
     def hidden_info(self) -> dict:
-        """Width, depth and dtype of the hidden states, for a draft head's check at connect ({}: none exposed)."""
+        """Width, depth and dtype of the hidden states, for a draft head's check at connect ({}: none exposed);
+        ``hidden_fc``: the digest of the head's fc the rows went through here."""
         own = getattr(self.backend, "hidden_info", None)
-        return own() if own is not None else {}
+        info = own() if own is not None else {}
+        return {**info, "hidden_fc": self.hidden_fc[1]} if info and self.hidden_fc is not None else info
+
+    def _rows_out(self, rows: torch.Tensor) -> torch.Tensor:
+        """Committed rows as they leave: through the head's fc when it runs here (one H-wide row for three)."""
+        if self.hidden_fc is None:
+            return rows.clone()  # (a copy: not the whole batch's tensor)
+        return torch.nn.functional.linear(rows, self.hidden_fc[0])
 
     def keep_hidden(self, layers: tuple[int, ...]) -> None:
         """From now on, every forward keeps these layers' rows for the drafts (an EAGLE head connected)."""
@@ -146,7 +155,7 @@ class TargetSide:
             for row, ((rid, tokens, params), n) in enumerate(zip(prefill, num_logits)):
                 seq = self.seqs[rid]
                 if captured is not None:  # the rows of every prefilled position (the first token's input included)
-                    seq.open_hidden = captured[row, captured.shape[1] - len(tokens):].clone()
+                    seq.open_hidden = self._rows_out(captured[row, captured.shape[1] - len(tokens):])
                 prompt = seq.token_ids
                 if params.prompt_logprobs is not None and len(prompt) > 1:
                     # positions 0 .. len(prompt) - 2 score prompt[1:] (a first token's row scores that token)
@@ -304,7 +313,7 @@ class TargetSide:
                           s.stopper.stop_reason, len(drafts), num_accepted, fallback, logprobs, s.prompt_logprobs)
         s.prompt_logprobs = None  # (sent once)
         # The rows of the positions now committed and read: the verify input and the kept drafts.
-        rows = hidden[: len(kept)].clone() if hidden is not None else None  # (a copy: not the whole batch's tensor)
+        rows = self._rows_out(hidden[: len(kept)]) if hidden is not None else None
         return delta, VerifyResult(s.request_id, base_len, min(num_accepted, len(kept)), kept, rows)
 
     @property

@@ -101,6 +101,7 @@ class RemoteDraftProposer:
         self.hidden_layers: tuple[int, ...] | None = tuple(layers) if layers else None  # an EAGLE head's rows, fixed at launch
         self._rows: dict[str, list] = {}  # request id -> committed positions' rows the draft has not heard of yet
         self._step_hidden = None  # this step's (hidden_states, aux_hidden_states), from the runner
+        self._fc = None  # an EAGLE-3 head's fc weight when it runs here (speculation.head_fc)
         if not _is_output_rank():
             return  # vLLM takes the output rank's drafts; this rank proposes nothing
         if self.runner is None:
@@ -120,7 +121,7 @@ class RemoteDraftProposer:
         device = str(getattr(getattr(vllm_config, "device_config", None), "device", "cpu") or "cpu")
         hello_info = {**link.hello_info, "placement": placement(device)}
         if self.hidden_layers is not None:
-            hello_info.update(self._hook_hidden_states(vllm_config))
+            hello_info.update(self._hook_hidden_states(vllm_config, opts, device))
         self.pool = DraftPool(
             discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config), hello_info),
             reopen=self._reopen, min_timeout_s=float(opts.get("min_timeout_s", 0.5)),
@@ -166,7 +167,7 @@ class RemoteDraftProposer:
         self.runner.execute_model = execute_model
 
     # -- hidden states for an EAGLE head ----------------------------------------------------------
-    def _hook_hidden_states(self, vllm_config) -> dict:
+    def _hook_hidden_states(self, vllm_config, opts: dict, device: str) -> dict:
         """Make vLLM's runner keep the rows the head reads and hand them to this proposer each step;
         returns what the hello tells the head (width, depth, dtype).
 
@@ -175,10 +176,11 @@ class RemoteDraftProposer:
         (here: the head's, fixed at launch), and passes the step's final and auxiliary hidden states to
         ``propose_draft_token_ids``, which calls ``propose``; the rows of batch row i are
         ``query_start_loc[i]:query_start_loc[i + 1]``. EAGLE-1 reads the final hidden state, which it
-        computes anyway."""
+        computes anyway. With ``head_fc`` on the target, the head's fc weight is read from its checkpoint
+        here and applied to the rows before they leave."""
         import inspect
 
-        from ..eagle import FINAL
+        from ..eagle import FINAL, head_fc
 
         runner, layers = self.runner, self.hidden_layers
         if layers != (FINAL,):
@@ -199,7 +201,13 @@ class RemoteDraftProposer:
         hf = vllm_config.model_config.hf_config
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         dtype = str(vllm_config.model_config.dtype).split(".")[-1]
-        return {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers, "hidden_dtype": dtype}
+        info = {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers, "hidden_dtype": dtype}
+        mode = opts.get("head_fc", "auto")
+        fc = head_fc(opts["head"]) if opts.get("head") and (mode == "target" or (mode == "auto" and device.startswith("cuda"))) else None
+        if fc is not None:
+            self._fc = fc[0].to(device=device, dtype=vllm_config.model_config.dtype)
+            info["hidden_fc"] = fc[1]
+        return info
 
     def _keep_hidden(self, layers: tuple[int, ...]) -> None:
         if tuple(layers) != self.hidden_layers:
@@ -217,6 +225,8 @@ class RemoteDraftProposer:
         if end <= start:
             return
         rows = _torch().cat([h[start:end] for h in aux], dim=-1) if aux else hidden[start:end].clone()
+        if self._fc is not None:  # the head's fc, here: one H-wide row travels instead of three
+            rows = _torch().nn.functional.linear(rows, self._fc)
         held = self._rows.setdefault(rid, [])
         held.append(rows)
         if sum(r.shape[0] for r in held) > 2 * MAX_HELD_ROWS:

@@ -218,11 +218,12 @@ def head_llm(eagle_pair, **kw):
                draft_num_cpus=0.25, **kw)
 
 
-@pytest.mark.parametrize("tensors", ["inline", "collective"])
-def test_a_remote_eagle_head_reads_the_targets_rows_over_the_channel(ray_cluster, eagle_pair, tensors):
+@pytest.mark.parametrize("tensors,fc", [("inline", "draft"), ("collective", "draft"), ("inline", "target")])
+def test_a_remote_eagle_head_reads_the_targets_rows_over_the_channel(ray_cluster, eagle_pair, tensors, fc):
     """An EAGLE-3 head in its own actor: the target's rows travel per request (inline in the frames,
-    or as one packed tensor over the gloo link) in the target's dtype; greedy output is the target's."""
-    llm = head_llm(eagle_pair, channel_tensors=tensors, collective_backend="gloo")
+    or as one packed tensor over the gloo link) in the target's dtype; greedy output is the target's.
+    With the head's fc on the target (``head_fc``), one row per position travels instead of three."""
+    llm = head_llm(eagle_pair, channel_tensors=tensors, collective_backend="gloo", head_fc=fc)
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         drafts = llm.metrics()["drafts"]
@@ -230,10 +231,12 @@ def test_a_remote_eagle_head_reads_the_targets_rows_over_the_channel(ray_cluster
         llm.shutdown()
     assert [o.token_ids for o in outs] == eagle_pair["reference"]
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0 and drafts["num_draft_failures"] == 0
-    # Each committed position (but a sequence's last) goes at most once: 3 layers x 64 wide, float64.
+    # Each committed position (but a sequence's last) goes at most once: 3 layers x 64 wide (or, through
+    # the fc on the target, 64 wide), float64.
     committed = sum(len(p) + len(o.token_ids) - 1 for p, o in zip(PROMPTS, outs))
-    assert 0 < drafts["hidden_bytes"] <= committed * 3 * 64 * 8
-    assert drafts["hidden_bytes"] % (3 * 64 * 8) == 0
+    width = 64 if fc == "target" else 3 * 64
+    assert 0 < drafts["hidden_bytes"] <= committed * width * 8
+    assert drafts["hidden_bytes"] % (width * 8) == 0
 
 
 def test_a_killed_head_costs_speed_never_a_request(ray_cluster, eagle_pair):

@@ -122,6 +122,37 @@ def test_a_seeded_request_draws_the_same_with_a_head_drafting_ahead_or_not(small
     assert hits[True] == 0 and hits["control"] > 0
 
 
+def test_the_heads_fc_on_the_target_gives_the_head_the_same_rows(heads, reference, monkeypatch):
+    """``head_fc: target``: the target applies the head's fc before its rows leave and the head skips it.
+    The H-wide rows the head reads are the ones it computes from the three rows itself (float64), so the
+    blocks and the greedy output are the same too."""
+    from specserve.head_drafter import HeadDrafter
+
+    fed: list = []
+    original = HeadDrafter._feed
+
+    def record(self, s):
+        tokens, rows = original(self, s)
+        fed.append((tuple(s.token_ids), rows.clone()))
+        return tokens, rows
+
+    monkeypatch.setattr(HeadDrafter, "_feed", record)
+    runs = {}
+    for fc in ("draft", "target"):
+        fed.clear()
+        with LLM(heads["target"], draft=heads["eagle3"], num_speculative_tokens=3, dtype="float64", adaptive=False,
+                 head_fc=fc) as llm:
+            outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            combined = llm._engine.loop.core.target.hidden_fc is not None
+        runs[fc] = ([o.token_ids for o in outs], dict(fed), combined)
+    assert runs["draft"][0] == runs["target"][0] == reference
+    assert (runs["draft"][2], runs["target"][2]) == (False, True)
+    mine, theirs = runs["draft"][1], runs["target"][1]
+    assert mine.keys() == theirs.keys() and len(mine) > 20
+    for key in mine:
+        assert torch.allclose(mine[key], theirs[key], rtol=1e-9, atol=1e-12), key
+
+
 def _reference_block(head, target, tokens: list[int], layers, k: int) -> list[int]:
     """What a head should draft after ``tokens``, computed without any cache: the target's rows for
     positions 0..n-2 beside tokens 1..n-1, then its own rows, by full forwards."""
@@ -204,8 +235,12 @@ def test_the_draft_refuses_a_target_of_other_width_at_connect(heads):
     assert ok.error is None and ok.info["hidden_layers"] == [1, 2, 3]
     wide = service.hello("c2", Hello("t", fingerprint, {"hidden_size": 128, "num_hidden_layers": 4}))
     assert wide.error is not None and "target_hidden_size" in wide.error
-    blind = service.hello("c3", Hello("t", fingerprint, {}))  # e.g. vLLM's engine: no hidden states
+    blind = service.hello("c3", Hello("t", fingerprint, {}))  # e.g. a target engine without hidden states
     assert blind.error is not None and "hidden states" in blind.error
+    own_fc = service.drafter.fc_digest
+    assert own_fc and service.hello("c4", Hello("t", fingerprint, {"hidden_size": 64, "num_hidden_layers": 4, "hidden_fc": own_fc})).error is None
+    other = service.hello("c5", Hello("t", fingerprint, {"hidden_size": 64, "num_hidden_layers": 4, "hidden_fc": "0" * 16}))
+    assert other.error is not None and "hidden_fc" in other.error  # the target applies another head's fc
 
 
 def test_a_resynced_sequence_without_rows_still_drafts_and_stays_exact(heads, reference):

@@ -69,14 +69,20 @@ def _vllm_target_with_the_head(**kw) -> LLM:
                num_speculative_tokens=K, adaptive=False, target_num_cpus=0.5, draft_num_cpus=0.5, draft_min_timeout_s=5.0, **kw)
 
 
-def test_a_head_on_the_draft_node_reads_a_vllm_targets_rows(ray_cluster, prompts, vllm_mal, vllm_reference):
+@pytest.mark.parametrize("fc", ["draft", "target"])
+def test_a_head_on_the_draft_node_reads_a_vllm_targets_rows(ray_cluster, prompts, vllm_mal, vllm_reference, fc):
     """vLLM's runner keeps the head's layers and hands each step's rows to specserve's proposer, which sends the
-    committed positions' rows to the head on the draft node: output equals vLLM target-only, acceptance vLLM's own."""
-    with _vllm_target_with_the_head() as llm:
+    committed positions' rows to the head on the draft node (through the head's fc first, ``head_fc: target``):
+    output equals vLLM target-only, acceptance vLLM's own."""
+    with _vllm_target_with_the_head(head_fc=fc) as llm:
         outs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
         m = llm.metrics()
     assert [o.token_ids for o in outs] == vllm_reference
     assert m["drafts"]["hidden_bytes"] > 0 and m["drafts"]["num_drafts_up"] == 1
+    committed = sum(len(p) + len(o.token_ids) - 1 for p, o in zip(prompts, outs))
+    print(f"head_fc={fc}: {m['drafts']['hidden_bytes']} hidden bytes for {committed} committed positions")
+    width = 256 * (1 if fc == "target" else 3) * 4  # the demo target: 256 wide, float32 here; three layers unless combined
+    assert m["drafts"]["hidden_bytes"] % width == 0 and m["drafts"]["hidden_bytes"] <= committed * width
     mal = 1 + m["num_accepted_tokens"] / m["num_drafts"]
     print(f"mean acceptance length at k={K}: specserve with a vLLM target {mal:.3f}, vLLM's EAGLE-3 {vllm_mal:.3f}")
     assert abs(mal - vllm_mal) <= 0.05 * vllm_mal, (mal, vllm_mal)
