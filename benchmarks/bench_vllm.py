@@ -191,6 +191,11 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
         out[f"specserve head k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options, own_engine=True)
         out["specserve head no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options, own_engine=True)
         out["specserve vllm target + head"] = lambda: SpecserveRunner(target, draft, common, options)  # vLLM's runner feeds the head
+        # EAGLE-3's fc on the target (head_fc): a third of the bytes on the link, a 3H x H product per row on the target
+        out["specserve head fc-on-target"] = lambda: SpecserveRunner(target, draft, {**common, "head_fc": "target"}, options,
+                                                                     own_engine=True)
+        out["specserve vllm target + head fc-on-target"] = lambda: SpecserveRunner(target, draft, {**common, "head_fc": "target"},
+                                                                                   options)
         out["specserve own target-only"] = lambda: SpecserveRunner(target, draft, {"num_speculative_tokens": 0}, options, own_engine=True)
         return out
     for delay in args.delays_ms:

@@ -11,6 +11,8 @@ import torch
 
 from specserve import LLM, SamplingParams
 
+from ..unit.test_mtp import mtp_target  # noqa: F401  (a fixture)
+
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL path needs two GPUs")
@@ -137,3 +139,16 @@ def test_decode_attention_stays_off_cudnn(tmp_path):
     names = {e.key for e in prof.key_averages()}
     assert any("attention" in n for n in names), sorted(names)  # attention ran and the profiler saw it
     assert not [n for n in names if "cudnn" in n.lower() and "attention" in n.lower()]
+
+
+@needs_cuda
+def test_a_deepseek_mtp_layer_on_cuda_equals_target_only(mtp_target):
+    """A DeepSeek-V3 checkpoint's MTP layer drafting on the GPU (MLA, MoE, slot cache); greedy output is the target's."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    path = mtp_target["path"]
+    with LLM(path, dtype="float32", device="cuda") as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    with LLM(path, draft=path, num_speculative_tokens=3, dtype="float32", device="cuda", adaptive=False) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
