@@ -170,10 +170,9 @@ def _reference_block(head, target, tokens: list[int], layers, k: int) -> list[in
     return block
 
 
-@pytest.mark.parametrize("head", ["eagle3", "eagle3_reduced", "eagle"])
-def test_head_reads_the_targets_rows_at_the_right_positions(heads, head, monkeypatch):
-    """Every block the head drafts inside the engine (prompt rows at open, verify rows after each
-    step, the KV cut back each block) equals the block computed from scratch with full forwards."""
+def check_blocks_against_full_forwards(monkeypatch, target_path: str, head_path: str, target_model, dtype: str) -> None:
+    """Every block the head drafts inside the engine (prompt rows at open, verify rows after each step,
+    the KV cut back each block) equals the block computed from scratch with full forwards."""
     from specserve.head_drafter import HeadDrafter
 
     blocks = []
@@ -185,13 +184,17 @@ def test_head_reads_the_targets_rows_at_the_right_positions(heads, head, monkeyp
         return out
 
     monkeypatch.setattr(HeadDrafter, "propose", record)
-    with LLM(heads["target"], draft=heads[head], num_speculative_tokens=3, dtype="float64", adaptive=False) as llm:
+    with LLM(target_path, draft=head_path, num_speculative_tokens=3, dtype=dtype, adaptive=False) as llm:
         llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
         drafter = llm._engine.draft_service.drafter
-    target = heads["target_model"].double().eval()
     assert len(blocks) >= 9
     for tokens, block in blocks:
-        assert block == _reference_block(drafter.head, target, tokens, drafter.hidden_layers, len(block)), tokens
+        assert block == _reference_block(drafter.head, target_model, tokens, drafter.hidden_layers, len(block)), tokens
+
+
+@pytest.mark.parametrize("head", ["eagle3", "eagle3_reduced", "eagle"])
+def test_head_reads_the_targets_rows_at_the_right_positions(heads, head, monkeypatch):
+    check_blocks_against_full_forwards(monkeypatch, heads["target"], heads[head], heads["target_model"].double().eval(), "float64")
 
 
 def test_speculators_head_reads_the_shared_embedding_only_when_it_has_none(heads):

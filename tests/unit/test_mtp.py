@@ -86,23 +86,6 @@ def test_greedy_with_the_mtp_layer_equals_target_only(mtp_target, ahead, ordered
 
 def test_the_mtp_layer_reads_the_targets_rows_at_the_right_positions(mtp_target, monkeypatch):
     """Every block drafted inside the engine equals the block computed from scratch with full forwards."""
-    from specserve.head_drafter import HeadDrafter
+    from .test_eagle_heads import check_blocks_against_full_forwards
 
-    from .test_eagle_heads import _reference_block
-
-    blocks = []
-    original = HeadDrafter.propose
-
-    def record(self, seqs, ks, draft_misses=True):
-        out = original(self, seqs, ks, draft_misses)
-        blocks.extend((list(s.token_ids), p.token_ids) for s, p in zip(seqs, out) if p.token_ids)
-        return out
-
-    monkeypatch.setattr(HeadDrafter, "propose", record)
-    path = mtp_target["path"]
-    with LLM(path, draft=path, num_speculative_tokens=3, dtype="float32", adaptive=False) as llm:
-        llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        drafter = llm._engine.draft_service.drafter
-    assert drafter.hidden_layers == (-1,) and len(blocks) >= 9
-    for tokens, block in blocks:
-        assert block == _reference_block(drafter.head, mtp_target["target"], tokens, drafter.hidden_layers, len(block)), tokens
+    check_blocks_against_full_forwards(monkeypatch, mtp_target["path"], mtp_target["path"], mtp_target["target"], "float32")
