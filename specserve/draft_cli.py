@@ -49,9 +49,10 @@ def run_draft(args: argparse.Namespace) -> int:
         raise ValueError("specserve draft needs --draft MODEL (a model directory, hub id, demo:draft, or ngram)")
     from .eagle import head_spec
 
-    if cfg.draft.drafter == "model" and cfg.draft.backend == "hf" and head_spec(cfg.draft.model) is not None:
-        raise ValueError(f"--draft {cfg.draft.model!r} is an EAGLE head: it needs the target's hidden states, which "
-                         "`vllm serve` does not send; run it with specserve's target (LLM(..., draft=HEAD) or specserve serve)")
+    head = cfg.draft.drafter == "model" and cfg.draft.backend == "hf" and head_spec(cfg.draft.model) is not None
+    if head and "target" not in vars(args):
+        raise ValueError(f"--draft {cfg.draft.model!r} is a draft head: pass --target TARGET too (the head reads the "
+                         "target's tokenizer and the weights it shares with it, never the whole model)")
     ch = cfg.channel
     token = resolve_token(ch.draft_token, ch.draft_token_file)
     loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")
@@ -68,8 +69,10 @@ def run_draft(args: argparse.Namespace) -> int:
                                        else f"{TOKEN_ENV}=<the same token> ")
     if token is None:
         print("no draft token: any host that reaches this port can use the draft (--insecure or loopback)", flush=True)
+    # A head's layers must be set up before vLLM loads the target: the proposer learns the head from SPECSERVE_HEAD.
+    head_env = f"SPECSERVE_HEAD={cfg.draft.model} " if head else ""
     print("on the target machine:\n"
-          f"  {secret}SPECSERVE_DRAFT_ADDRESS={server.address} vllm serve TARGET "
+          f"  {secret}{head_env}SPECSERVE_DRAFT_ADDRESS={server.address} vllm serve {cfg.target.model if head else 'TARGET'} "
           f"--speculative-config '{json.dumps({**PROPOSER_CONFIG, 'num_speculative_tokens': k})}'", flush=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

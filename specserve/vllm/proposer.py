@@ -23,6 +23,7 @@ and each step's committed positions' rows ride with the deltas (``_hook_hidden_s
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ from . import patches
 logger = logging.getLogger("specserve.vllm")
 RECONCILE_EVERY = 64  # steps between checks that every sequence held here is still live in vLLM
 MAX_HELD_ROWS = 256  # hidden rows kept per sequence until the head hears of them (older ones read as zeros there)
+HEAD_ENV = "SPECSERVE_HEAD"  # under `vllm serve`: the draft head's directory (its layers are set up before the model loads)
 
 
 @dataclass
@@ -97,8 +99,9 @@ class RemoteDraftProposer:
         self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm) of the last ask
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         self._prev_arm = None  # the arm of the last step's ask
-        layers = opts.get("hidden_layers")
-        self.hidden_layers: tuple[int, ...] | None = tuple(layers) if layers else None  # an EAGLE head's rows, fixed at launch
+        head = opts.get("head") or os.environ.get(HEAD_ENV)
+        self.head = _resolve(head) if head else None  # the draft's directory, when it may be a head
+        self.hidden_layers = _head_layers(self.head, vllm_config)  # an EAGLE/MTP head's rows, fixed at launch (None: no head)
         self._rows: dict[str, list] = {}  # request id -> committed positions' rows the draft has not heard of yet
         self._step_hidden = None  # this step's (hidden_states, aux_hidden_states), from the runner
         self._fc = None  # an EAGLE-3 head's fc weight when it runs here (speculation.head_fc)
@@ -203,7 +206,7 @@ class RemoteDraftProposer:
         dtype = str(vllm_config.model_config.dtype).split(".")[-1]
         info = {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers, "hidden_dtype": dtype}
         mode = opts.get("head_fc", "auto")
-        fc = head_fc(opts["head"]) if opts.get("head") and (mode == "target" or (mode == "auto" and device.startswith("cuda"))) else None
+        fc = head_fc(self.head) if mode == "target" or (mode == "auto" and device.startswith("cuda")) else None
         if fc is not None:
             self._fc = fc[0].to(device=device, dtype=vllm_config.model_config.dtype)
             info["hidden_fc"] = fc[1]
@@ -481,6 +484,26 @@ def _torch():
     import torch
 
     return torch
+
+
+def _resolve(model: str) -> str:
+    from ..config import resolve_model
+
+    return resolve_model(model)
+
+
+def _head_layers(head: str | None, vllm_config) -> tuple[int, ...] | None:
+    """The target layers a draft head in ``head`` reads (None: not a head, or none named)."""
+    if not head:
+        return None
+    from ..eagle import head_spec, target_layers
+
+    spec = head_spec(head)
+    if spec is None:
+        return None
+    hf = vllm_config.model_config.hf_config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return target_layers(spec, text.num_hidden_layers)
 
 
 def _fingerprint(vllm_config) -> dict:

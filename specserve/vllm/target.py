@@ -33,19 +33,6 @@ PROPOSER = "specserve.vllm.RemoteDraftProposer"
 VLLM_METRICS_EVERY_S = 0.5  # how often the engine thread copies vLLM's own counters
 
 
-def _head_layers(cfg) -> list[int] | None:
-    """The target layers an EAGLE head draft reads (vLLM must set them up before it loads the model), else None."""
-    from ..eagle import head_spec, target_info, target_layers
-    from ..models import load_config
-
-    d = cfg.draft
-    spec = head_spec(d.model) if d is not None and d.model and d.backend == "hf" else None
-    if spec is None:
-        return None
-    depth = target_info(load_config(cfg.target.model, cfg.target.trust_remote_code))["num_hidden_layers"]
-    return list(target_layers(spec, depth))
-
-
 class VLLMTarget:
     """What the workers read of a target: tokenizer, context, vocabulary and live requests."""
 
@@ -80,7 +67,7 @@ class VLLMEngineCore(RequestQueue):
             extra["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.k}
             opts = {"link": self._key, "min_timeout_s": spec.draft_min_timeout_s, "max_timeout_s": spec.draft_timeout_s,
                     "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id, "adaptive": spec.adaptive,
-                    "hidden_layers": _head_layers(cfg), "head_fc": cfg.speculation.head_fc, "head": cfg.draft.model if cfg.draft is not None else None}
+                    "head_fc": cfg.speculation.head_fc, "head": cfg.draft.model if cfg.draft is not None and cfg.draft.backend == "hf" else None}
             if t.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
                 opts.update(links.portable(link))  # the proposer will run in vLLM's worker processes
                 token = resolve_token(cfg.channel.draft_token, cfg.channel.draft_token_file)

@@ -49,6 +49,11 @@ def test_usage_errors_are_one_line():
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "invalid choice: 'float8'" in proc.stderr
 
 
+def test_a_draft_head_served_alone_needs_its_target_named():
+    proc = run_cli("draft", "--draft", "demo:eagle", "--host", "127.0.0.1", check=False)
+    assert proc.returncode == 2 and "is a draft head: pass --target" in proc.stderr
+
+
 def test_config_command_round_trips(tmp_path):
     out = run_cli("config", "--target", "demo:target", "--draft", "ngram", "--num-speculative-tokens", "6",
                   "--draft-drafter-options", "ngram_max=3", "--target-label-selector", '{"a": "b"}').stdout

@@ -99,3 +99,24 @@ def test_killing_the_draft_mid_run_fails_no_request(served, config, reference):
     assert ray.get(runner.generate.remote(PROMPTS, GREEDY)) == reference
     status = ray.get(runner.proposer.remote())
     assert status["num_draft_connects"] == 2 and status["num_blocks"] > blocks
+
+
+def test_an_eagle_head_behind_vllm_serve(ray_cluster, reference):
+    """`specserve draft --draft demo:eagle` and `vllm serve` with SPECSERVE_HEAD naming the head: the proposer sets up
+    the head's layers before vLLM loads the target and sends their rows; output equals target-only, the head accepts."""
+    import ray
+
+    cfg = SpecserveConfig.load(None, target="demo:target", draft="demo:eagle", draft_port=free_port())
+    draft, info = start_draft(cfg)
+    runner = start_runner(env={"SPECSERVE_DRAFT_ADDRESS": info["address"], "SPECSERVE_HEAD": "demo:eagle"},
+                          model=cfg.target.model, speculative_config=SPEC, additional_config=ADDITIONAL, disable_log_stats=False)
+    try:
+        wait_until(lambda: (ray.get(runner.proposer.remote()) or {}).get("num_drafts_up", 0), 300, 0.2, "the proposer connected")
+        assert ray.get(runner.generate.remote(PROMPTS, GREEDY)) == reference
+        status = ray.get(runner.proposer.remote())
+        spec = ray.get(runner.spec_metrics.remote())
+    finally:
+        ray.kill(runner)
+        ray.kill(draft)
+    assert status["hidden_bytes"] > 0 and status["num_draft_failures"] == 0
+    assert spec["vllm:spec_decode_num_accepted_tokens"] > 0.3 * spec["vllm:spec_decode_num_draft_tokens"]  # a trained head
