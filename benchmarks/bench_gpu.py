@@ -58,6 +58,18 @@ def build_pair(root: Path, hidden: int, layers: int, vocab: int, dtype, middle_s
     return str(root / "target"), str(root / "draft")
 
 
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """The random pair (``build_pair``: its shape, where it is written) and its prompts' length; shared with ``profile_gpu``."""
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--middle-scale", type=float, default=0.03,
+                   help="scale of the target's middle layers' output projections: sets how often the draft agrees [0.03]")
+    p.add_argument("--models", default="/tmp/specserve_gpu_pair", help="where the random pair is written")
+
+
 def run_llm(target: str, draft: str | None, prompts, batch: int, max_tokens: int, dtype: str) -> tuple[dict, list]:
     from specserve import LLM, SamplingParams
 
@@ -87,14 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--middle-scale", type=float, default=0.03,
-                   help="scale of the target's middle layers' output projections: sets how often the draft agrees [0.03]")
-    p.add_argument("--models", default="/tmp/specserve_gpu_pair", help="where the random pair is written")
+    add_pair_args(p)
     p.add_argument("--out", default="bench_gpu")
     args = p.parse_args()
     import torch

@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.bench_gpu import add_pair_args, build_pair
+
 
 def _sync(device: str) -> None:
     import torch
@@ -159,7 +161,11 @@ def engine_step_ms(target: str, batch: int, prompt: int, tokens: int, device: st
         llm.generate(prompts, params, use_tqdm=False)
         after = llm.metrics()
         if profile:  # the engine steps in its own thread: sample every thread of this process with py-spy
-            table = _spied(lambda: llm.generate(prompts, params, use_tqdm=False) and llm.generate(prompts, params, use_tqdm=False))
+            def twice():  # (long enough for a few hundred samples)
+                for _ in range(2):
+                    llm.generate(prompts, params, use_tqdm=False)
+
+            table = _spied(twice)
     steps = after["num_steps"] - before["num_steps"]
     step_ms = (after["timing"]["wall_s"] - before["timing"]["wall_s"]) / max(1, steps) * 1e3
     split = {k: (after["timing"][k] - before["timing"][k]) / max(1, steps) * 1e3 for k in after["timing"]}
@@ -170,15 +176,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
+    add_pair_args(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--threads", default="", help="also run the backend rows with these torch thread counts, e.g. 1,4")
     p.add_argument("--attn", default="sdpa", help="attention implementations to compare for the backend rows, e.g. sdpa,eager")
-    p.add_argument("--models", default="/tmp/specserve_gpu_pair")
     p.add_argument("--out", default="profile_gpu")
     args = p.parse_args()
     import torch
@@ -186,11 +187,10 @@ def main() -> None:
 
     from torch.nn.attention import sdpa_kernel
 
-    from benchmarks.bench_gpu import build_pair
     from specserve.backends.hf import HFBackend
 
     dtype = getattr(torch, args.dtype)
-    target, _ = build_pair(Path(args.models), args.hidden, args.layers, args.vocab, dtype, 0.03)
+    target, _ = build_pair(Path(args.models), args.hidden, args.layers, args.vocab, dtype, args.middle_scale)
     lines = [f"device {torch.cuda.get_device_name(0) if args.device.startswith('cuda') else args.device}, torch "
              f"{torch.__version__}, {torch.get_num_threads()} CPU threads; target {args.layers} x {args.hidden}, {args.dtype}"]
     out = Path(args.out)

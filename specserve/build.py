@@ -18,7 +18,7 @@ from typing import Callable
 
 from .config import DraftConfig, SideConfig, SpecserveConfig
 from .devices import placement
-from .eagle import fc_on_target, head_fc, head_spec
+from .eagle import head_spec, target_fc
 from .draft import NgramDrafter
 from .model_drafter import ModelDrafter
 from .draft_service import DraftService
@@ -125,10 +125,9 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
     if own is not None:
         return own(cfg, link, name)
     target = build_target(cfg)
-    if fc_on_target(cfg, cfg.target.device):
-        weight, digest = head_fc(cfg.draft.model)
-        backend = target.backend
-        target.hidden_fc = (weight.to(device=backend.device, dtype=backend.dtype), digest)
+    fc = target_fc(cfg, cfg.target.device)
+    if fc is not None:
+        target.hidden_fc = (fc[0].to(device=target.backend.device, dtype=target.backend.dtype), fc[1])
     spec = cfg.speculation
     controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
     core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)

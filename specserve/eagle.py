@@ -137,6 +137,8 @@ class _Head(nn.Module):
     """Shared by both kinds: ``forward`` takes H-wide rows (``combine`` the target's first) and
     returns logits over the target's vocabulary and the rows the next step reads."""
 
+    fc_digest: str | None = None  # EAGLE-3: its fc as stored, hashed (``_digest``; set by ``load_head``)
+
     def __init__(self, spec: HeadSpec):
         super().__init__()
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -320,30 +322,36 @@ def _shared_from_target(target: str, names: dict[str, tuple[str, ...]]) -> dict[
     return found
 
 
-def head_fc(path: str) -> tuple[torch.Tensor, str] | None:
-    """An EAGLE-3 head's fc weight as its checkpoint stores it, and a digest of it (None: a head without one)."""
+def _digest(weight: torch.Tensor) -> str:
+    """What both sides compare to know they apply the same fc: a hash of the tensor as the checkpoint stores it."""
     import hashlib
 
+    return hashlib.sha256(weight.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+
+
+def head_fc(path: str) -> tuple[torch.Tensor, str] | None:
+    """An EAGLE-3 head's fc weight as its checkpoint stores it, and its digest (None: a head without one),
+    read by name: the target reads this much of the head and nothing else."""
     spec = head_spec(path)
     if spec is None or spec.kind != "eagle3":
         return None
     found = _shared_from_target(path, {"fc.weight": ("fc.weight", "model.fc.weight")})
     if "fc.weight" not in found:
         raise ValueError(f"draft {path!r}: the head's checkpoint holds no fc.weight")
-    weight = found["fc.weight"].contiguous()
-    return weight, hashlib.sha256(weight.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return found["fc.weight"], _digest(found["fc.weight"])
 
 
-def fc_on_target(cfg, target_device: str) -> bool:
-    """Whether the target applies the EAGLE-3 head's fc before its rows travel (``speculation.head_fc``)."""
-    d = cfg.draft
-    if d is None or not d.model or d.backend != "hf":
-        return False
-    spec = head_spec(d.model)
-    if spec is None or spec.kind != "eagle3":
-        return False
-    mode = cfg.speculation.head_fc
+def fc_runs_on_target(mode: str, target_device: str) -> bool:
+    """``speculation.head_fc``: whether an EAGLE-3 head's fc runs on a target computing on ``target_device``."""
     return mode == "target" or (mode == "auto" and str(target_device).startswith("cuda"))
+
+
+def target_fc(cfg, target_device: str) -> tuple[torch.Tensor, str] | None:
+    """The head's fc (weight, digest) when the target applies it before its rows travel, else None."""
+    d = cfg.draft
+    if d is None or not d.model or d.backend != "hf" or not fc_runs_on_target(cfg.speculation.head_fc, target_device):
+        return None
+    return head_fc(d.model)
 
 
 def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> _Head:
@@ -364,6 +372,8 @@ def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype
             for name, t in load_file(file).items():
                 if name != "t2d":
                     weights[_local_name(name, spec.kind)] = t
+        if "fc.weight" in weights and spec.kind == "eagle3":  # as stored: a target applying this fc sends the same digest
+            head.fc_digest = _digest(weights["fc.weight"])
     wanted = {"embed_tokens.weight": ("model.embed_tokens.weight", "embed_tokens.weight")}
     if spec.kind in ("eagle", "mtp"):  # EAGLE-1 decodes with the target's LM head (tied: its embedding); MTP may share it
         wanted["lm_head.weight"] = ("lm_head.weight", "model.embed_tokens.weight")

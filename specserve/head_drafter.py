@@ -26,7 +26,7 @@ import torch
 
 from .backends.hf import HFBackend, model_max_len, resolve_dtype
 from .draft import DraftSeq, Proposal
-from .eagle import check_target, head_fc, head_spec, load_head, target_info, target_layers
+from .eagle import check_target, head_spec, load_head, target_info, target_layers
 from .model_drafter import ModelDrafter
 
 
@@ -264,6 +264,5 @@ def build_head_drafter(cfg, fanout: int = 0) -> HeadDrafter:
                      d.device)
     sp = cfg.speculation
     drafter = HeadDrafter(HeadBackend(head), spec, layers, t.model, sp.draft_probs, fanout, sp.max_branches, sp.draft_ahead_preempt)
-    fc = head_fc(d.model)
-    drafter.fc_digest = fc[1] if fc is not None else None
+    drafter.fc_digest = getattr(head, "fc_digest", None)
     return drafter

@@ -12,9 +12,8 @@ additive mask and explicit position ids works (Llama, Qwen2, GPT-2, GPT-NeoX are
 
 from __future__ import annotations
 
-import logging
-
 import contextlib
+import logging
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,8 +33,9 @@ DTYPES = {
 
 # Attention kernels a CUDA forward may use. cuDNN's is left out: PyTorch builds a cuDNN graph for
 # each new key length, and a decode step has a new one every step. On an H100 (torch 2.11, bf16,
-# 16 layers x 2048) that cost ~2.3 ms of host time per layer per step and tripled the engine's
-# step (benchmarks/profile_gpu.py). The others need no plan per shape.
+# 16 layers x 2048) that cost ~2.3 ms of host time per layer per step and slowed the engine's
+# step 1.7-3.2x (benchmarks/profile_gpu.py). The others need no plan per shape. Empty: every
+# kernel PyTorch offers (what profile_gpu compares against).
 CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -257,4 +257,3 @@ class HFBackend:
         self.last_hidden = getattr(out, "hidden", None)
         logits = out.logits[:, -keep:]
         return logits if logits.dtype == torch.float64 else logits.float()
-

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
+from ..config import resolve_model
 from ..devices import placement
 from ..messages import Hello, OpenSeq, VerifyResult
 from ..pool import DraftPool
@@ -100,7 +101,7 @@ class RemoteDraftProposer:
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         self._prev_arm = None  # the arm of the last step's ask
         head = opts.get("head") or os.environ.get(HEAD_ENV)
-        self.head = _resolve(head) if head else None  # the draft's directory, when it may be a head
+        self.head = resolve_model(head) if head else None  # the draft's directory, when it may be a head
         self.hidden_layers = _head_layers(self.head, vllm_config)  # an EAGLE/MTP head's rows, fixed at launch (None: no head)
         self._rows: dict[str, list] = {}  # request id -> committed positions' rows the draft has not heard of yet
         self._step_hidden = None  # this step's (hidden_states, aux_hidden_states), from the runner
@@ -183,7 +184,7 @@ class RemoteDraftProposer:
         here and applied to the rows before they leave."""
         import inspect
 
-        from ..eagle import FINAL, head_fc
+        from ..eagle import FINAL, fc_runs_on_target, head_fc
 
         runner, layers = self.runner, self.hidden_layers
         if layers != (FINAL,):
@@ -205,8 +206,7 @@ class RemoteDraftProposer:
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         dtype = str(vllm_config.model_config.dtype).split(".")[-1]
         info = {"hidden_size": text.hidden_size, "num_hidden_layers": text.num_hidden_layers, "hidden_dtype": dtype}
-        mode = opts.get("head_fc", "auto")
-        fc = head_fc(self.head) if mode == "target" or (mode == "auto" and device.startswith("cuda")) else None
+        fc = head_fc(self.head) if fc_runs_on_target(opts.get("head_fc", "auto"), device) else None
         if fc is not None:
             self._fc = fc[0].to(device=device, dtype=vllm_config.model_config.dtype)
             info["hidden_fc"] = fc[1]
@@ -484,12 +484,6 @@ def _torch():
     import torch
 
     return torch
-
-
-def _resolve(model: str) -> str:
-    from ..config import resolve_model
-
-    return resolve_model(model)
 
 
 def _head_layers(head: str | None, vllm_config) -> tuple[int, ...] | None:
