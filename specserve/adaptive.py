@@ -10,7 +10,9 @@ cycles after a switch still pay for it; cycles over 3 x the window's median are 
 16 x that while probes confirm the choice), probes a neighbour for ``probe_len`` steps (three
 times that between speculating and not): k - 1, k + 1, the other mode, or target-only, the least
 recently measured first; a bucket's first
-choices run a fixed set of arms (``warmup_arms``) so each has a rate. Measured cycle times carry
+choices run a fixed set of arms (``warmup_arms``) so each has a rate, unless a settled bucket
+beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
+is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
 and output handling) with nothing modelled, which is what makes the choice hold on both target
 engines: on the demo pair at batch 8 the cost model below had picked the worst arm (k = 3,
@@ -42,6 +44,7 @@ MIN_SWITCH_CYCLES = 8  # measured cycles an arm needs before the controller swit
 MEASURED_TOKENS_ROWS = 96  # sequence-steps in an arm's window from which its measured tokens replace the model's
 ACCEPTANCE_EMA = 0.02  # weight of a new observation in the per-position acceptance, once it has 50
 SPECULATION_MARGIN = 0.10  # how much a speculative arm's rate must beat target-only's by (``_best``)
+PROBE_BEATEN = 2.0  # target-only is not probed while the current arm's rate is over this multiple of its own
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -303,8 +306,10 @@ class SpeculationController:
             return self.max_k
         b = _bucket(batch_size)
         state = self.buckets.get(b) or self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
-        if not state.choices:  # the bucket's first choice: its warm-up
-            state.queued = [arm for arm in self.warmup_arms(cache) for _ in range(self._steps(arm, (self.max_k, cache)))]
+        if not state.choices:  # the bucket's first choice: what a measured bucket implies, or its warm-up
+            state.current = self._inherited(b)
+            if state.current is None:
+                state.queued = [arm for arm in self.warmup_arms(cache) for _ in range(self._steps(arm, (self.max_k, cache)))]
         state.choices += 1
         if state.queued:
             arm = state.queued.pop(0)
@@ -373,17 +378,38 @@ class SpeculationController:
                 state.gap = min(state.gap * 2, self.probe_every * 16)
         state.probing, state.settle = None, False
 
+    def _inherited(self, b: int) -> Arm | None:
+        """A new bucket's first arm from the settled buckets beside it, without a warm-up: speculation
+        that pays at a larger batch pays at a smaller one (the verify's cost per sequence only falls),
+        and where it does not pay at a smaller batch it does not at a larger one. Probes check it as
+        usual. (Each bucket warming up from target-only cost a draining batch most of its
+        speculation: on the simulated Spark + 5090, 15 target-only steps per bucket at a third of the
+        speculative rate.) None: nothing implied, warm up."""
+        settled = {c: st.current for c, st in self.buckets.items() if c != b and st.current is not None}
+        larger, smaller = [c for c in settled if c > b], [c for c in settled if c < b]
+        if larger and settled[min(larger)][0]:
+            return settled[min(larger)]
+        if smaller and not settled[max(smaller)][0]:
+            return TARGET_ONLY
+        return None
+
     def _candidates(self, state: _BucketState, cache: bool) -> list[Arm]:
         """The current arm's neighbours: k - 1, k + 1, the other mode and target-only (from target-only:
-        the best speculative arm measured)."""
+        the best speculative arm measured). Target-only is left out while the current arm's measured
+        rate is over ``PROBE_BEATEN`` times its last measured one: a probe of it costs the most then
+        (the longest probe, at a fraction of the rate) and cannot win; the current arm is measured all
+        the time, so a fall in acceptance brings the probes back."""
         k, mode = state.current or (self.max_k, cache)
         if k == 0:
             rates = {a: r for a in state.realized if a[0] and (cache or not a[1])
                      if (r := self.realized_rate(state.bucket, a)) is not None}
             return [max(rates, key=rates.get)] if rates else [(self.max_k, cache)]
-        candidates = [TARGET_ONLY] + [(k2, mode) for k2 in (k - 1, k + 1) if 1 <= k2 <= self.max_k]
+        candidates = [(k2, mode) for k2 in (k - 1, k + 1) if 1 <= k2 <= self.max_k]
         if cache:
             candidates.append((k, not mode))
+        plain, current = self.realized_rate(state.bucket, TARGET_ONLY), self.realized_rate(state.bucket, (k, mode))
+        if plain is None or current is None or current <= PROBE_BEATEN * plain or not candidates:
+            candidates.insert(0, TARGET_ONLY)
         return candidates
 
     def _next_probe(self, b: int, state: _BucketState, cache: bool) -> Arm | None:

@@ -1,7 +1,8 @@
 """One step loop for every deployment: in-process, Ray actor, HTTP.
 
-``EngineCore.step`` (synchronous, one thread): admit waiting requests (one batched prefill;
-each new sequence is opened on a draft), choose k (``SpeculationController``), ask the
+``EngineCore.step`` (synchronous, one thread): admit waiting requests (one batched prefill, or,
+where the backend's forwards cost one weight read, ``fuses_prefill``, as rows of this step's verify
+forward; each new sequence is opened on a draft), choose k (``SpeculationController``), ask the
 drafts (``DraftPool.propose``: one request per draft, all sent before any is awaited),
 verify every live sequence in one forward (``TargetSide.verify``), queue the verify results
 for the drafts and free finished sequences. A sequence that fails fails alone: a batched
@@ -137,9 +138,15 @@ class EngineCore(RequestQueue):
         start = time.perf_counter()
         # With drafting in the first step (speculation.first_step_drafts) every first token is verified.
         first_tokens = not self.first_step_drafts
+        admitted = [rid for rid, *_ in batch]
+        if first_tokens:  # prefills that ride in this step's verify forward (their first tokens come from it)
+            deferred = set(self.target.defer(batch))
+            batch = [b for b in batch if b[0] not in deferred]
         deltas: list[StepDelta] = []
+        failed: dict[str, Exception] = {}
         try:
-            deltas, failed = self.target.open(batch, first_tokens)
+            if batch:
+                deltas, failed = self.target.open(batch, first_tokens)
         except Exception:  # find the prompt(s) that fail; the others are admitted
             failed = {}
             for one in batch:
@@ -161,15 +168,16 @@ class EngineCore(RequestQueue):
                 self.target.close(d.request_id)
         self.timing["prefill_s"] += time.perf_counter() - start
         if self.pool is not None:
-            for rid, *_ in batch:
+            for rid in admitted:
                 if rid in self.target.seqs:
-                    self.pool.open(rid)  # (with the first token, if the prefill gave it)
+                    # (with the first token, if the prefill gave it; a deferred prompt's draft prefills while the target does)
+                    self.pool.open(rid)
         if deltas:
             if self.on_deltas is not None:
                 self.on_deltas(deltas)
             else:
                 result.deltas.extend(deltas)
-        return [rid for rid, *_ in batch]
+        return admitted
 
     def _verify(self, blocks, fallback: set[str], only: list[str]):
         try:

@@ -15,6 +15,7 @@ import atexit
 import itertools
 import logging
 import queue
+import threading
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -185,6 +186,23 @@ class LocalEngine:
             outputs[rid] = RequestOutput(rid, text, ids)
             order.append(rid)
 
+        window = max_in_flight or len(order)
+        lock = threading.Lock()
+        state = {"next": min(window, len(order)), "stopped": False}
+
+        def refill():
+            """One request finished: the next one starts, queued from the engine's thread before its next
+            step (from this thread it would often miss that step and leave its slot idle for one)."""
+            with lock:
+                i = state["next"]
+                if state["stopped"] or i >= len(requests):
+                    return
+                state["next"] = i + 1
+            try:
+                self.loop.submit_many([requests[i]])
+            except Exception as exc:  # (validated above; never lose the request silently)
+                done.put((requests[i][0], exc))
+
         def sink_for(rid):
             out = outputs[rid]
 
@@ -194,24 +212,22 @@ class LocalEngine:
                     return
                 out.add(item)
                 if item.finished:
+                    refill()
                     done.put((rid, None))
             return sink
 
         requests = [(rid, ids, p, sink_for(rid)) for rid, ids, p in zip(order, token_ids, params)]
-        window = max_in_flight or len(requests)
         try:
             self.loop.submit_many(requests[:window])
-            submitted = min(window, len(requests))
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 for _ in order:
                     rid, err = done.get()
                     if err is not None:
                         raise err
                     bar.update(1)
-                    if submitted < len(requests):  # one finished: the next one starts
-                        self.loop.submit_many(requests[submitted:submitted + 1])
-                        submitted += 1
         except BaseException:
+            with lock:
+                state["stopped"] = True
             for rid in order:
                 if not outputs[rid].finished:
                     self.loop.abort(rid)

@@ -6,8 +6,10 @@ that copies another's prompt rows, prefills all but its last token, which its fi
 feeds); ``verify(blocks)`` feeds ``[last committed token] + drafts`` for every
 live sequence in one forward, runs the batched verifier over all rows at once, then per row
 cuts the result at any stop, commits it and rolls the KV back to ``len(tokens) - 1``
-(invariant: the cache holds every committed token but the last). A row that fails while
-being committed fails alone. Knows nothing of drafts' origin, channels or Ray.
+(invariant: the cache holds every committed token but the last). ``defer`` admits prompts
+whose prefill rides in the next verify forward instead (a row of the whole prompt, first token
+from its last logits). A row that fails while being committed fails alone. Knows nothing of
+drafts' origin, channels or Ray.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class TargetSeq:
     processor: SeqProcessor | None = None  # penalties, logit_bias, ... (None: nothing beyond temperature/top-k/top-p)
     prompt_logprobs: list | None = None  # computed by the prefill, sent with the first delta
     open_hidden: torch.Tensor | None = None  # [prefilled positions, width]: the prefill's rows for a draft head (sent once, at open)
+    pending: bool = False  # admitted, prompt not prefilled yet: the step's verify forward prefills it and gives its first token
 
 
 class TargetSide:
@@ -120,14 +123,7 @@ class TargetSide:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
         return own() if own is not None else vocab_fingerprint(self.tokenizer, self.vocab_size)
 
-    def open(self, requests: list[tuple[str, list[int], SamplingParams, int]], first_tokens: bool = False
-             ) -> tuple[list[StepDelta], dict[str, Exception]]:
-        """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward.
-
-        ``first_tokens``: greedy and unseeded requests that prefill their own prompt get their first
-        token from the prefill (returned as deltas, with the requests that failed taking it), so it
-        waits for no verify step. Seeded sampled requests do not: which draw becomes which token
-        follows the draft blocks from the first step on, and the same seed must give the same output."""
+    def _register(self, requests: list[tuple[str, list[int], SamplingParams, int]], pending: bool = False) -> None:
         for rid, prompt, params, seed in requests:
             stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt), self.max_model_len)
             processor = None
@@ -136,8 +132,39 @@ class TargetSide:
                 grammar = self.grammars().matcher(*params.structured_outputs) if params.structured_outputs else None
                 processor = SeqProcessor(params, prompt, self.vocab_size, stop_ids, bad_word_token_ids(params.bad_words, self.tokenizer),
                                          grammar)
-            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor)
+            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor, pending=pending)
             self.backend.add(rid)
+
+    def defer(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> list[str]:
+        """Admit the requests whose prefill can ride in the next verify forward (one weight read for
+        both, as vLLM mixes prefills into decode steps) when the backend says that pays
+        (``fuses_prefill``); their ids. The verify gives each its first token from the prompt's last
+        logits, as ``open(first_tokens=True)`` would. Not deferred: seeded sampled requests (their
+        first step speculates), prompt logprobs (the prefill's logits), prompts another sequence
+        already holds or shares in this batch (copied, not prefilled), and any prompt while a draft
+        head reads the target's rows (it needs them at open)."""
+        if not getattr(self.backend, "fuses_prefill", False) or self.hidden_layers:
+            return []
+        keys: dict[tuple[int, ...], int] = {}
+        for _, prompt, _, _ in requests:
+            keys[tuple(prompt[:-1])] = keys.get(tuple(prompt[:-1]), 0) + 1
+        chosen = [r for r in requests if (r[2].greedy or r[2].seed is None) and r[2].prompt_logprobs is None
+                  and keys[tuple(r[1][:-1])] == 1 and (len(r[1]) == 1 or tuple(r[1][:-1]) not in self._by_prompt)]
+        self._register(chosen, pending=True)
+        for rid, prompt, _, _ in chosen:
+            if len(prompt) > 1:
+                self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(rid)
+        return [r[0] for r in chosen]
+
+    def open(self, requests: list[tuple[str, list[int], SamplingParams, int]], first_tokens: bool = False
+             ) -> tuple[list[StepDelta], dict[str, Exception]]:
+        """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward.
+
+        ``first_tokens``: greedy and unseeded requests that prefill their own prompt get their first
+        token from the prefill (returned as deltas, with the requests that failed taking it), so it
+        waits for no verify step. Seeded sampled requests do not: which draw becomes which token
+        follows the draft blocks from the first step on, and the same seed must give the same output."""
+        self._register(requests)
         first = {rid for rid, _, params, _ in requests if first_tokens and (params.greedy or params.seed is None)}
         prefill, forks = self._plan_prefill(requests, first)
         first_rows: list[tuple[int, str]] = []  # (prefill row, request) of the sequences whose first token the prefill gives
@@ -236,17 +263,20 @@ class TargetSide:
         probs: list[torch.Tensor | None] = []
         for s in seqs:
             b = blocks.get(s.request_id)
-            ok = b is not None and b.base_len == len(s.token_ids)
+            ok = b is not None and b.base_len == len(s.token_ids) and not s.pending
             n = min(len(b.draft_token_ids), self.room(s)) if ok else 0
             if n and s.processor is not None and s.processor.grammar is not None:
                 n = s.processor.grammar.valid_prefix(list(b.draft_token_ids[:n]))  # drafts the grammar forbids are never verified
             drafts.append(list(b.draft_token_ids[:n]) if n else [])
             probs.append(torch.as_tensor(b.draft_probs[:n]) if n and b.draft_probs is not None and not s.params.greedy else None)
         start = time.perf_counter()
-        logits = self.backend.forward(
-            [s.request_id for s in seqs], [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)], [len(d) + 1 for d in drafts]
+        logits = self.backend.forward(  # a pending sequence's row is its whole prompt (its prefill)
+            [s.request_id for s in seqs], [list(s.token_ids) if s.pending else [s.token_ids[-1]] + d for s, d in zip(seqs, drafts)],
+            [len(d) + 1 for d in drafts]
         )  # [batch_size, width, vocab], right-aligned
         self.forward_s += time.perf_counter() - start
+        for s in seqs:
+            s.pending = False  # (the forward cached their prompts)
         captured = self._captured()  # [batch_size, width, hidden], right-aligned: taken before the logits move
         return self._decide(seqs, drafts, probs, logits, captured, fallback)
 
@@ -289,7 +319,7 @@ class TargetSide:
         deltas, results, failed = [], [], {}
         for row, (s, d, a, nxt) in enumerate(zip(seqs, drafts, num_accepted, next_token_ids)):
             try:
-                hidden = captured[row, width - 1 - len(d):] if captured is not None else None  # [len(d) + 1, hidden]
+                hidden = captured[row, captured.shape[1] - 1 - len(d):] if captured is not None else None  # [len(d) + 1, hidden]
                 deltas_result = self._commit(s, d, a, nxt, s.request_id in fallback, raw.get(row), hidden)
             except Exception as exc:  # one sequence's failure is its own (the engine closes it on both sides)
                 logger.exception("request %s failed while committing its tokens", s.request_id)

@@ -42,6 +42,10 @@ def _mix(x: np.ndarray) -> np.ndarray:
 class SimBackend:
     """See the module docstring; implements ``ModelBackend`` plus ``forward_branches``."""
 
+    # A forward's time is one weight read plus its tokens' work (the model of a GPU serving engine),
+    # so a prefill costs least inside a verify forward (``TargetSide.defer``).
+    fuses_prefill = True
+
     def __init__(self, profile: str | dict = "qwen3-32b-dgx-spark", role: str = "target", acceptance: float = 0.8,
                  vocab_size: int = 1024, seed: int = 0, context_window: int = 4, peak: float = 9.0, time_scale: float = 1.0,
                  max_model_len: int | None = None, eos_token_id: int | None = None, shared_device: str | None = None,

@@ -202,3 +202,39 @@ def test_speculation_must_beat_target_only_by_a_margin():
         pair = Pair(0.6, lambda a, ahead=ahead: 0.01 if not a[0] else 0.01 * Pair(0.6, None).expected(a) / ahead)
         ctrl = SpeculationController(max_k=4)
         assert bool(settled(run(ctrl, 32, pair, 1500))[0]) is speculates, ahead
+
+
+def spark(arm):
+    """A memory-bound target (~60 ms a step at any width) and a fast draft answering from its cache."""
+    return 0.060 + 0.0005 * arm[0] + (0.0 if arm[1] or not arm[0] else 0.002 * arm[0])
+
+
+def test_a_new_bucket_starts_from_what_a_settled_neighbour_implies():
+    """A draining batch (8, then 4, then 2) keeps speculating where batch 8 found it pays, with no warm-up
+    from target-only; where speculation did not pay at a smaller batch, a larger one starts target-only;
+    a bucket nothing implies warms up."""
+    ctrl = SpeculationController(max_k=4)
+    strong = Pair(0.8, spark)
+    assert settled(run(ctrl, 8, strong, 400))[0] == 4
+    for batch in (4, 2):
+        assert all(a[0] for a in run(ctrl, batch, strong, 25, seed=batch))  # (a warm-up began with 15 target-only steps)
+
+    off = SpeculationController(max_k=4, probe_every=16)
+    assert settled(run(off, 1, Pair(0.3, losing), 600)) == TARGET_ONLY
+    assert run(off, 8, Pair(0.3, losing), 15) == [TARGET_ONLY] * 15  # (a warm-up tried 4 speculative arms; probes come later)
+    # Target-only at batch 8 says nothing of batch 1: that bucket warms up (speculative arms included).
+    fresh = SpeculationController(max_k=4)
+    run(fresh, 8, Pair(0.3, losing), 600)
+    assert any(a[0] for a in run(fresh, 1, Pair(0.3, losing), 60))
+
+
+def test_target_only_is_not_probed_while_speculation_far_outruns_it():
+    """At three times target-only's rate a probe of it (the longest probe, at a third of the rate) cannot
+    win: it is skipped, the other neighbours are still probed. When acceptance falls the current arm's
+    own measurements show it, target-only is probed again and takes over."""
+    ctrl = SpeculationController(max_k=4, probe_every=16)
+    arms = run(ctrl, 8, Pair(0.85, spark), 1500)
+    assert TARGET_ONLY not in arms[100:]
+    assert len({a for a in arms[100:]}) > 1  # neighbours still probed
+    worse = run(ctrl, 8, Pair(0.02, lambda a: 0.06 * (1 + 0.3 * bool(a[0]))), 1500, seed=1)
+    assert settled(worse) == TARGET_ONLY
