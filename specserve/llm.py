@@ -12,6 +12,7 @@ alive at interpreter exit is shut down the same way, so a script may simply end.
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import logging
 import queue
@@ -248,6 +249,7 @@ class LocalEngine:
 
     def shutdown(self) -> None:
         self.loop.shutdown()
+        gc.unfreeze()  # (build froze the heap: the sides' objects may go now)
 
 
 __all__ = ["LLM", "LocalEngine", "normalize_prompts", "StepDelta"]

@@ -346,3 +346,15 @@ def test_a_first_token_that_fails_fails_its_request_alone(tiny_pair, reference, 
         assert not llm._engine.loop.core.target.seqs  # nothing left open
         monkeypatch.setattr(TargetSide, "_decide" if where == "batch" else "_commit", original)
         assert llm.generate([poisoned], GREEDY, use_tqdm=False)[0].token_ids == reference[4]
+
+
+def test_the_heap_is_frozen_while_serving_and_given_back(tiny_pair, reference):
+    """Once the sides are built their objects leave the collector's sight (full collections walked them
+    all: ~120 ms pauses in a draft process at batch 32); shutting down gives them back."""
+    import gc
+
+    gc.unfreeze()
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=3, dtype="float64") as llm:
+        assert gc.get_freeze_count() > 1000
+        assert llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)[0].token_ids == reference[0]
+    assert gc.get_freeze_count() == 0
