@@ -164,27 +164,16 @@ class HeadDrafter(ModelDrafter):
                 self._own[s.key].append(r)
 
     # -- off the critical path -------------------------------------------------------------
-    def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool], budget_s: float = 0.0) -> None:
-        """Glue forward (the block's unfed entries; after a hit, the target's real rows first), then the
-        branch tree for the block's likeliest verdicts, each root on the head's own row for it."""
-        started = time.perf_counter()
-        if not self.preempt:
-            should_stop = lambda: False  # noqa: E731
-        # A seeded sampled request must draw the same tokens whatever the hits: its blocks from the cache
-        # (drafted on guessed rows) would differ from those drafted on demand, so it gets none.
-        seqs = [s for s in seqs if self.fanout and s.key in self._glue_in and (s.block or s.num_asked) and (s.greedy or not s.seeded)]
-        if not seqs or should_stop():
-            return
-        feeds = [self._glue_feed(s) for s in seqs]
-        limit = 2 * max(max(s.num_asked, len(s.block)) for s in seqs) + 2
-        short = [i for i, f in enumerate(feeds) if len(f[0]) <= limit]
-        long = [i for i, f in enumerate(feeds) if len(f[0]) > limit]
-        if short:
-            self._glue([seqs[i] for i in short], [feeds[i] for i in short])
-            left = max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0
-            self._grow_tree([seqs[i] for i in short], should_stop, left)
-        if long and not should_stop():
-            self._glue([seqs[i] for i in long], [feeds[i] for i in long])
+    def _ahead_seqs(self, seqs: list[DraftSeq]) -> list[DraftSeq]:
+        """As a model draft's, glued as a head's (``_glue_feed``: after a hit, the target's real rows
+        first; each tree root on the head's own row for it). A seeded sampled request must draw the
+        same tokens whatever the hits: its blocks from the cache (drafted on guessed rows) would differ
+        from those drafted on demand, so it gets none."""
+        return [s for s in seqs if self.fanout and s.key in self._glue_in and (s.block or s.num_asked) and (s.greedy or not s.seeded)]
+
+    @staticmethod
+    def _feed_len(feed) -> int:
+        return len(feed[0])
 
     def _glue_feed(self, s: DraftSeq) -> tuple[list[int], torch.Tensor, int]:
         """(tokens, rows, outputs wanted): what the KV has not read of a sequence and its block."""

@@ -58,7 +58,10 @@ class ModelDrafter:
         self.forward_s = 0.0  # and their time
         self.step_times: dict[int, float] = {}  # batch bucket -> running estimate of one single-token forward
         self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches
-        self.tree_cost = LinearCost()  # seconds of one tree forward by rows (sequences x branches)
+        self.tree_cost = LinearCost()  # seconds of one tree depth (forward and choosing) by rows (sequences x branches)
+        # Share of the budget trees get: cut when the next request had to wait for the tree (it came
+        # sooner than the budget said), regrown while trees finish in time (``_fit_budget``).
+        self.budget_scale = 1.0
         self.last_tree: tuple[int, int] = (0, 0)  # (branches per sequence, depth) of the last tree, for metrics
 
     def open(self, seq: DraftSeq) -> None:
@@ -237,16 +240,43 @@ class ModelDrafter:
         started = time.perf_counter()
         if not self.preempt:
             should_stop = lambda: False  # noqa: E731
-        seqs = [s for s in seqs if (s.block or s.num_asked) and self.fanout]
+        seqs = self._ahead_seqs(seqs)
         if not seqs or should_stop():
             return
+        asked, stopped = should_stop, [False]
+
+        def should_stop() -> bool:
+            stopped[0] = stopped[0] or asked()
+            return stopped[0]
+
+        try:
+            self._prepare(seqs, should_stop, budget_s * self.budget_scale, started)
+        finally:
+            self._fit_budget(stopped[0] or asked())
+
+    def _fit_budget(self, late: bool) -> None:
+        """A request that waited for the tree came sooner than the target's budget said (the budget is
+        its verify; the step does more, and a depth cannot be cut short): trees get less of it, down
+        to a tenth; while they finish in time they win it back slowly. At batch 32 on a 2-core CPU
+        one tree in three had made the next request wait, ~3 ms a step."""
+        self.budget_scale = max(0.1, self.budget_scale * 0.7) if late else min(1.0, self.budget_scale * 1.05)
+
+    def _ahead_seqs(self, seqs: list[DraftSeq]) -> list[DraftSeq]:
+        """The sequences to draft ahead for: those with a block just sent (or asked for)."""
+        return [s for s in seqs if (s.block or s.num_asked) and self.fanout]
+
+    @staticmethod
+    def _feed_len(feed) -> int:
+        return len(feed)
+
+    def _prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool], budget_s: float, started: float) -> None:
         feeds = [self._glue_feed(s) for s in seqs]
         # A sequence with a long feed (a new one: its whole prompt) is glued after the others' tree, in
         # its own forward: padded into theirs it made every row as wide as a prompt and the tree late
         # for the whole batch (at batch 32 a new request arrives nearly every step).
         limit = 2 * max(max(s.num_asked, len(s.block)) for s in seqs) + 2
-        short = [i for i, f in enumerate(feeds) if len(f) <= limit]
-        long = [i for i, f in enumerate(feeds) if len(f) > limit]
+        short = [i for i, f in enumerate(feeds) if self._feed_len(f) <= limit]
+        long = [i for i, f in enumerate(feeds) if self._feed_len(f) > limit]
         if short:
             self._glue([seqs[i] for i in short], [feeds[i] for i in short])
             left = max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0  # (0: no budget known)
@@ -299,7 +329,6 @@ class ModelDrafter:
             start = time.perf_counter()
             extra = {} if hidden is None else {"hidden": hidden}
             logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, d, lanes, **extra)
-            self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)
             self.last_tree = (lanes, d + 1)
             if hidden is not None:
                 hidden = self.backend.last_hidden  # [batch, lanes, hidden]: the next depth reads each lane's own row
@@ -321,6 +350,7 @@ class ModelDrafter:
                 if hidden is not None:
                     br.rows.append(hidden[i, b])
                 tokens[i][b] = picked[n]
+            self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)  # (choosing costs as much as the forward at batch 32)
         for s, r, bs in zip(seqs, roots, branches):
             s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
 

@@ -171,3 +171,26 @@ def test_tokens_sent_without_a_block_request_are_fed_off_the_critical_path(tiny_
     assert seq.token_ids == [1, 2, 3, 9, 10, 11, 12] and seq.num_fed == 6  # the KV holds all but the last token
     reply = side.handle(ProposeRequest(3, request_ids=["r"], num_draft_tokens=[2]))
     assert len(reply.blocks[0].draft_token_ids) == 2 and reply.blocks[0].base_len == 7
+
+
+def test_trees_shrink_when_the_next_request_waits_for_them_and_regrow(tiny_pair):
+    """A tree the next request had to wait for was too big for the time the target really left: the
+    share of the budget trees get falls (x0.7 each time, not below a tenth) and comes back while
+    trees finish in time; the tree itself stops at the first depth boundary after the request came."""
+    side = DraftSide(ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2))
+    drafter = side.drafter
+    side.handle(ProposeRequest(1, opens=[OpenSeq("r", [1, 2, 3])], request_ids=["r"], num_draft_tokens=[3]))
+    waiting = iter([False, False, True])  # the request arrives during the tree's second depth
+    side.prepare(lambda: next(waiting, True))
+    assert drafter.last_tree[1] == 1 and drafter.budget_scale == pytest.approx(0.7)
+    for step in range(2, 12):
+        block = side.handle(ProposeRequest(step, results=[VerifyResult("r", len(side.seqs["r"].token_ids), 0, [5])],
+                                           request_ids=["r"], num_draft_tokens=[3])).blocks[0]
+        assert block.base_len == len(side.seqs["r"].token_ids)
+        checks = iter([False] if step < 8 else [])  # (before 8: the request comes during the tree)
+        side.prepare(lambda: next(checks, step < 8))
+    assert drafter.budget_scale == pytest.approx(0.1 * 1.05 ** 4)  # floored at a tenth, then four trees in time
+    side.handle(ProposeRequest(12, results=[VerifyResult("r", len(side.seqs["r"].token_ids), 0, [5])], request_ids=["r"],
+                               num_draft_tokens=[3]))
+    side.prepare(lambda: True)  # a request already waiting: no tree, nothing learnt
+    assert drafter.budget_scale == pytest.approx(0.1 * 1.05 ** 4)
