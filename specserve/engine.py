@@ -337,6 +337,41 @@ class EngineLoop:
         self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    def submit_window(self, requests: list[tuple[str, list[int], SamplingParams]], window: int,
+                      deliver: Callable[[str, object], None]) -> Callable[[], None]:
+        """Keep ``window`` of ``requests`` in the engine until they run out; ``deliver(request_id, item)``
+        gets every delta and error (on the engine's thread). A request that finishes is replaced from
+        the engine's thread before its next step (replaced from the caller's thread, it often missed
+        that step and left its slot idle for one). Returns ``stop()``: no more are started."""
+        lock, state = threading.Lock(), {"next": min(window, len(requests)), "stopped": False}
+
+        def refill() -> None:
+            with lock:
+                i = state["next"]
+                if state["stopped"] or i >= len(requests):
+                    return
+                state["next"] = i + 1
+            try:
+                self.submit_many([with_sink(requests[i])])
+            except Exception as exc:  # (callers validate first; never lose a request silently)
+                deliver(requests[i][0], exc)
+
+        def with_sink(request):
+            rid = request[0]
+
+            def sink(item) -> None:
+                if not isinstance(item, Exception) and item.finished:
+                    refill()
+                deliver(rid, item)
+            return (*request, sink)
+
+        def stop() -> None:
+            with lock:
+                state["stopped"] = True
+
+        self.submit_many([with_sink(r) for r in requests[:window]])
+        return stop
+
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         """``StepDelta``s of one request in the caller's event loop; leaving early aborts the request."""
         loop = asyncio.get_running_loop()

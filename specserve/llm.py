@@ -16,7 +16,6 @@ import gc
 import itertools
 import logging
 import queue
-import threading
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -187,39 +186,17 @@ class LocalEngine:
             outputs[rid] = RequestOutput(rid, text, ids)
             order.append(rid)
 
-        window = max_in_flight or len(order)
-        lock = threading.Lock()
-        state = {"next": min(window, len(order)), "stopped": False}
+        def deliver(rid, item):
+            if isinstance(item, Exception):
+                done.put((rid, item))
+                return
+            outputs[rid].add(item)
+            if item.finished:
+                done.put((rid, None))
 
-        def refill():
-            """One request finished: the next one starts, queued from the engine's thread before its next
-            step (from this thread it would often miss that step and leave its slot idle for one)."""
-            with lock:
-                i = state["next"]
-                if state["stopped"] or i >= len(requests):
-                    return
-                state["next"] = i + 1
-            try:
-                self.loop.submit_many([requests[i]])
-            except Exception as exc:  # (validated above; never lose the request silently)
-                done.put((requests[i][0], exc))
-
-        def sink_for(rid):
-            out = outputs[rid]
-
-            def sink(item):
-                if isinstance(item, Exception):
-                    done.put((rid, item))
-                    return
-                out.add(item)
-                if item.finished:
-                    refill()
-                    done.put((rid, None))
-            return sink
-
-        requests = [(rid, ids, p, sink_for(rid)) for rid, ids, p in zip(order, token_ids, params)]
+        stop = None
         try:
-            self.loop.submit_many(requests[:window])
+            stop = self.loop.submit_window(list(zip(order, token_ids, params)), max_in_flight or len(order), deliver)
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 for _ in order:
                     rid, err = done.get()
@@ -227,8 +204,8 @@ class LocalEngine:
                         raise err
                     bar.update(1)
         except BaseException:
-            with lock:
-                state["stopped"] = True
+            if stop is not None:
+                stop()
             for rid in order:
                 if not outputs[rid].finished:
                     self.loop.abort(rid)

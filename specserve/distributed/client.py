@@ -110,34 +110,27 @@ class RayEngine:
         except ray.exceptions.RayTaskError as exc:
             raise unwrap(exc) from None
         window = max_in_flight or 2 * self.config.engine.max_num_seqs
+        rids = [f"batch-{next(_ids)}-{uuid.uuid4().hex[:6]}" for _ in token_ids]
+        index = {rid: i for i, rid in enumerate(rids)}
         outputs: list[RequestOutput | None] = [None] * len(token_ids)
-        pending: dict = {}
-        todo = iter(range(len(token_ids)))
+        # One streaming call: the target keeps the window full itself (a finished request is replaced
+        # before its engine's next step, not a round trip later from here).
+        stream = self.target.generate_many.options(num_returns="streaming").remote(
+            [list(r) for r in zip(rids, token_ids, param_dicts)], window)
         with tqdm(total=len(token_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
-                while True:
-                    while len(pending) < window:
-                        i = next(todo, None)
-                        if i is None:
-                            break
-                        rid = f"batch-{next(_ids)}-{uuid.uuid4().hex[:6]}"
-                        pending[self.target.generate.remote(rid, token_ids[i], param_dicts[i])] = (i, rid)
-                    if not pending:
-                        break
-                    done, _ = ray.wait(list(pending), num_returns=1)
-                    for ref in done:
-                        i, rid = pending.pop(ref)
-                        try:
-                            d = ray.get(ref)
-                        except ray.exceptions.RayTaskError as exc:
-                            raise unwrap(exc) from None
-                        outputs[i] = RequestOutput(rid, texts[i], token_ids[i], d["token_ids"], d["text"],
-                                                   d["finish_reason"], d["stop_reason"], SpecMetrics.from_dict(d["metrics"]),
-                                                   d.get("logprobs"), d.get("prompt_logprobs"))
-                        bar.update(1)
+                for ref in stream:
+                    try:
+                        d = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:
+                        raise unwrap(exc) from None
+                    i = index[d["request_id"]]
+                    outputs[i] = RequestOutput(d["request_id"], texts[i], token_ids[i], d["token_ids"], d["text"],
+                                               d["finish_reason"], d["stop_reason"], SpecMetrics.from_dict(d["metrics"]),
+                                               d.get("logprobs"), d.get("prompt_logprobs"))
+                    bar.update(1)
             except BaseException:
-                for ref in pending:
-                    ray.cancel(ref)
+                ray.cancel(stream)  # (the target aborts what is left)
                 raise
         return outputs
 

@@ -310,9 +310,32 @@ class TargetWorker:
         out = RequestOutput(request_id, None, list(token_ids))
         async for d in self.stream(request_id, token_ids, params):
             out.add(StepDelta.from_dict(d))
-        return {"request_id": request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict(), "logprobs": out.logprobs,
-                "prompt_logprobs": out.prompt_logprobs}
+        return _output_dict(out)
+
+    async def generate_many(self, requests: list, max_in_flight: int):
+        """Whole outputs (``generate``'s dicts) of (request_id, token_ids, params) requests as each finishes,
+        at most ``max_in_flight`` in the engine: a finished request is replaced before the engine's next
+        step, here, not a round trip later by the caller. Stopping the stream aborts the rest."""
+        import asyncio
+
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        outs = {rid: RequestOutput(rid, None, list(ids)) for rid, ids, _ in requests}
+        stop = self.loop.submit_window([(rid, list(ids), SamplingParams(**p)) for rid, ids, p in requests], max_in_flight,
+                                       lambda rid, item: loop.call_soon_threadsafe(events.put_nowait, (rid, item)))
+        try:
+            while outs:
+                rid, item = await events.get()
+                if isinstance(item, Exception):
+                    raise item
+                out = outs[rid]
+                out.add(item)
+                if item.finished:
+                    del outs[rid]
+                    yield _output_dict(out)
+        finally:
+            stop()
+            for rid in outs:
+                self.loop.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self.loop.abort(request_id)
@@ -350,3 +373,10 @@ class TargetWorker:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.shutdown()
+
+
+def _output_dict(out: RequestOutput) -> dict:
+    """A finished request's output as the target actor returns it (the caller rebuilds a ``RequestOutput``)."""
+    return {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict(), "logprobs": out.logprobs,
+            "prompt_logprobs": out.prompt_logprobs}

@@ -259,3 +259,14 @@ def test_a_killed_head_costs_speed_never_a_request(ray_cluster, eagle_pair):
         assert all(o.metrics.num_draft_tokens > 0 for o in out)
     finally:
         llm.shutdown()
+
+
+def test_a_window_of_requests_is_kept_full_by_the_target(llm, reference):
+    """``max_in_flight`` over Ray: one streaming call, the target replaces each finished request before its
+    next step; outputs in input order, exact, and nothing left running."""
+    import ray
+
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, max_in_flight=3)
+    assert [o.token_ids for o in outs] == reference
+    assert [o.prompt_token_ids for o in outs] == [list(p) for p in PROMPTS]
+    assert ray.get(llm._engine.target.num_seqs.remote()) == 0
