@@ -148,13 +148,21 @@ class TargetSide:
         keys: dict[tuple[int, ...], int] = {}
         for _, prompt, _, _ in requests:
             keys[tuple(prompt[:-1])] = keys.get(tuple(prompt[:-1]), 0) + 1
-        chosen = [r for r in requests if (r[2].greedy or r[2].seed is None) and r[2].prompt_logprobs is None
-                  and keys[tuple(r[1][:-1])] == 1 and (len(r[1]) == 1 or tuple(r[1][:-1]) not in self._by_prompt)]
-        self._register(chosen, pending=True)
-        for rid, prompt, _, _ in chosen:
+        deferred = []
+        for r in requests:
+            rid, prompt, params, _ = r
+            if not ((params.greedy or params.seed is None) and params.prompt_logprobs is None and keys[tuple(prompt[:-1])] == 1
+                    and (len(prompt) == 1 or tuple(prompt[:-1]) not in self._by_prompt)):
+                continue
+            try:
+                self._register([r], pending=True)
+            except Exception:  # left to open(), which fails it alone
+                self.seqs.pop(rid, None)
+                continue
             if len(prompt) > 1:
                 self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(rid)
-        return [r[0] for r in chosen]
+            deferred.append(rid)
+        return deferred
 
     def open(self, requests: list[tuple[str, list[int], SamplingParams, int]], first_tokens: bool = False
              ) -> tuple[list[StepDelta], dict[str, Exception]]:
@@ -275,10 +283,17 @@ class TargetSide:
             [len(d) + 1 for d in drafts]
         )  # [batch_size, width, vocab], right-aligned
         self.forward_s += time.perf_counter() - start
+        pending = [s.pending for s in seqs]
         for s in seqs:
             s.pending = False  # (the forward cached their prompts)
         captured = self._captured()  # [batch_size, width, hidden], right-aligned: taken before the logits move
-        return self._decide(seqs, drafts, probs, logits, captured, fallback)
+        try:
+            return self._decide(seqs, drafts, probs, logits, captured, fallback)
+        except Exception:  # nothing was committed: the rows go back to where they were, to be tried again
+            for s, was in zip(seqs, pending):
+                s.pending = was
+                self.backend.truncate(s.request_id, 0 if was else len(s.token_ids) - 1)
+            raise
 
     def _decide(self, seqs: list[TargetSeq], drafts: list[list[int]], probs: list, logits: torch.Tensor,
                 captured: torch.Tensor | None, fallback: set[str]):

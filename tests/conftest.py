@@ -100,6 +100,26 @@ def wait_until(condition, timeout: float, interval: float = 0.1, message: str = 
         time.sleep(interval)
 
 
+def stream_all(llm, requests: list, delays: list[float] | None = None) -> list:
+    """Stream each (prompt, params) at once (after its delay, in seconds); per request its tokens, or the
+    ``RequestFailed`` it ended with."""
+    import asyncio
+
+    from specserve.engine import RequestFailed
+
+    async def one(prompt, params, delay):
+        await asyncio.sleep(delay)
+        try:
+            return [t async for d in llm.stream(prompt, params) for t in d.token_ids]
+        except RequestFailed as exc:
+            return exc
+
+    async def main():
+        return await asyncio.gather(*[one(p, s, d) for (p, s), d in zip(requests, delays or [0.0] * len(requests))])
+
+    return asyncio.run(main())
+
+
 def demo_acceptance_range() -> tuple[float, float]:
     """The demo acceptance-rate range the demo target's model card states ("demo acceptance range: a-b")."""
     card = Path(__file__).resolve().parents[1] / "specserve" / "demo_models" / "target" / "README.md"

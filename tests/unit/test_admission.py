@@ -3,8 +3,6 @@ read, ``fuses_prefill``), and ``generate(max_in_flight=B)`` keeping B requests i
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,6 +10,9 @@ from transformers import AutoModelForCausalLM
 from specserve import LLM, SamplingParams
 from specserve.engine import RequestFailed
 from specserve.reference import reference_generate
+from specserve.target import TargetSide
+
+from ..conftest import stream_all
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 2 + (5 * i) % 23)) for i in range(12)]
 LENGTHS = [4 + (7 * i) % 19 for i in range(12)]  # finishes spread over the steps: admissions meet drafting rows
@@ -91,36 +92,38 @@ def test_what_cannot_ride_is_prefilled_apart_with_the_same_outputs(tiny_pair, re
     assert len(fused[2].prompt_logprobs) == len(apart[2].prompt_logprobs) == len(prompts[2])
 
 
-def test_a_prompt_that_fails_in_a_fused_forward_fails_alone(tiny_pair, reference):
-    """A row that breaks the shared forward is found by halving the batch, as for any verify: its request
-    fails, the others (rows with drafts included) finish exact, and nothing stays open."""
+@pytest.mark.parametrize("where", ["forward", "decide"])
+def test_a_prompt_that_fails_in_a_fused_forward_fails_alone(tiny_pair, reference, monkeypatch, where):
+    """A row that breaks the shared forward ("forward"), or the batched decision after it ("decide": every
+    row's cache goes back to where it was, the prompt's to empty), is found by halving the batch, as for
+    any verify: its request fails, the others (rows with drafts included) finish exact, nothing stays open."""
     poisoned = PROMPTS[4]
     with pair(tiny_pair, True) as llm:
         backend = llm._engine.loop.core.target.backend
         forward = backend.forward
 
         def breaks(seq_ids, token_ids, num_logits, *args, **kwargs):
-            if any(t == poisoned for t in token_ids):
+            if where == "forward" and any(t == poisoned for t in token_ids):
                 raise RuntimeError("boom")
             return forward(seq_ids, token_ids, num_logits, *args, **kwargs)
 
         backend.forward = breaks
+        decide = TargetSide._decide
 
-        async def one(i):
-            await asyncio.sleep(0.05 * (i == 4))  # (admitted while the others draft)
-            try:
-                return [t async for d in llm.stream(PROMPTS[i], greedy(LENGTHS[i])) for t in d.token_ids]
-            except RequestFailed as exc:
-                return exc
+        def breaks_after(self, seqs, *args):
+            if where == "decide" and any(s.token_ids == poisoned for s in seqs):
+                raise RuntimeError("boom")
+            return decide(self, seqs, *args)
 
-        async def main():
-            return await asyncio.gather(*[one(i) for i in (3, 4, 5)])
+        monkeypatch.setattr(TargetSide, "_decide", breaks_after)
 
-        results = asyncio.run(main())
+        # (the poisoned one admitted while the others draft)
+        results = stream_all(llm, [(PROMPTS[i], greedy(LENGTHS[i])) for i in (3, 4, 5)], [0.0, 0.05, 0.0])
         assert isinstance(results[1], RequestFailed) and "boom" in str(results[1])
         assert [results[0], results[2]] == [reference[3], reference[5]]
         assert not llm._engine.loop.core.target.seqs
         backend.forward = forward
+        monkeypatch.setattr(TargetSide, "_decide", decide)
         assert llm.generate([poisoned], greedy(LENGTHS[4]), use_tqdm=False)[0].token_ids == reference[4]
 
 

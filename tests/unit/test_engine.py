@@ -21,7 +21,7 @@ from specserve.reference import reference_generate
 from specserve.target import TargetSide
 from specserve.transport import DraftServer, SocketEndpoint
 
-from ..conftest import wait_until
+from ..conftest import stream_all, wait_until
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -331,16 +331,7 @@ def test_a_first_token_that_fails_fails_its_request_alone(tiny_pair, reference, 
 
             monkeypatch.setattr(TargetSide, "_decide", decide)
 
-        async def one(i):
-            try:
-                return [t async for d in llm.stream(PROMPTS[i], GREEDY) for t in d.token_ids]
-            except RequestFailed as exc:
-                return exc
-
-        async def main():
-            return await asyncio.gather(*[one(i) for i in (3, 4, 5)])
-
-        results = asyncio.run(main())
+        results = stream_all(llm, [(PROMPTS[i], GREEDY) for i in (3, 4, 5)])
         assert isinstance(results[1], RequestFailed) and "boom" in str(results[1])
         assert [results[0], results[2]] == [reference[3], reference[5]]
         assert not llm._engine.loop.core.target.seqs  # nothing left open
