@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ..config import SpecserveConfig
-from ..outputs import RequestOutput, StepDelta
+from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -307,10 +307,10 @@ class TargetWorker:
                 yield {**vars(item), "source": self.name}  # (shallow: asdict deep-copies, 10 us a delta)
 
     async def generate(self, request_id: str, token_ids: list[int], params: dict) -> dict:
-        out = RequestOutput(request_id, None, list(token_ids))
-        async for d in self.stream(request_id, token_ids, params):
-            out.add(StepDelta.from_dict(d))
-        return _output_dict(out)
+        """One request's whole output (its deltas add up on the engine's thread, as ``generate_many``'s)."""
+        async with contextlib.aclosing(self.generate_many([(request_id, token_ids, params)], 1)) as outs:
+            async for out in outs:
+                return out
 
     async def generate_many(self, requests: list, max_in_flight: int):
         """Whole outputs (``generate``'s dicts) of (request_id, token_ids, params) requests as each finishes,
@@ -320,21 +320,24 @@ class TargetWorker:
 
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         outs = {rid: RequestOutput(rid, None, list(ids)) for rid, ids, _ in requests}
-        stop = self.loop.submit_window([(rid, list(ids), SamplingParams(**p)) for rid, ids, p in requests], max_in_flight,
-                                       lambda rid, item: loop.call_soon_threadsafe(events.put_nowait, (rid, item)))
+
+        def deliver(rid, item) -> None:  # (engine thread) deltas add up here; this loop wakes once per request
+            if not isinstance(item, Exception):
+                outs[rid].add(item)
+                if not item.finished:
+                    return
+            loop.call_soon_threadsafe(events.put_nowait, (rid, item))
+
+        stop = self.loop.submit_window([(rid, list(ids), SamplingParams(**p)) for rid, ids, p in requests], max_in_flight, deliver)
         try:
             while outs:
                 rid, item = await events.get()
                 if isinstance(item, Exception):
                     raise item
-                out = outs[rid]
-                out.add(item)
-                if item.finished:
-                    del outs[rid]
-                    yield _output_dict(out)
+                yield _output_dict(outs.pop(rid))
         finally:
             stop()
-            for rid in outs:
+            for rid in list(outs):
                 self.loop.abort(rid)
 
     def abort(self, request_id: str) -> None:
