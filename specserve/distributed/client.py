@@ -125,9 +125,7 @@ class RayEngine:
                     except ray.exceptions.RayTaskError as exc:
                         raise unwrap(exc) from None
                     i = index[d["request_id"]]
-                    outputs[i] = RequestOutput(d["request_id"], texts[i], token_ids[i], d["token_ids"], d["text"],
-                                               d["finish_reason"], d["stop_reason"], SpecMetrics.from_dict(d["metrics"]),
-                                               d.get("logprobs"), d.get("prompt_logprobs"))
+                    outputs[i] = _output(d, texts[i], token_ids[i])
                     bar.update(1)
             except BaseException:
                 ray.cancel(stream)  # (the target aborts what is left)
@@ -142,8 +140,7 @@ class RayEngine:
             d = await self.target.generate.remote(request_id, list(token_ids), params.to_dict())
         except ray.exceptions.RayTaskError as exc:
             raise unwrap(exc) from None
-        return RequestOutput(request_id, text, list(token_ids), d["token_ids"], d["text"], d["finish_reason"], d["stop_reason"],
-                             SpecMetrics.from_dict(d["metrics"]), d.get("logprobs"), d.get("prompt_logprobs"))
+        return _output(d, text, token_ids)
 
     # -- streaming ------------------------------------------------------------------------------
     async def stream(self, token_ids, params, request_id):
@@ -183,3 +180,9 @@ class RayEngine:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _output(d: dict, text, token_ids) -> RequestOutput:
+    """The target actor's output dict (``TargetWorker.generate`` / ``generate_many``) as a ``RequestOutput``."""
+    return RequestOutput(d["request_id"], text, list(token_ids), d["token_ids"], d["text"], d["finish_reason"], d["stop_reason"],
+                         SpecMetrics.from_dict(d["metrics"]), d.get("logprobs"), d.get("prompt_logprobs"))
