@@ -68,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--side-cpus", type=float, default=0.25, help="Ray: logical CPUs reserved per side [0.25]")
     p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the two-node Ray systems")
     p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
-                   help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
+                   help="sustained: B requests in flight over max(prompts, R x B) prompts (serving); wave: waves of exactly B [sustained]")
+    p.add_argument("--requests-per-slot", type=int, default=3,
+                   help="sustained: R, the prompts per slot of the window; more make the draining tail a smaller share [3]")
     p.add_argument("--shared-cores", action="store_true",
                    help="no device emulation: both Ray nodes and the colocated systems on every core (the old mode)")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers assisted generation")
@@ -86,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.vllm_eager = args.quick
     args.scenarios, args.batch_sizes, args.ks = _list(args.scenarios), _list(args.batch_sizes, int), _list(args.ks, int)
     args.delays_ms, args.links = _list(args.delays_ms, float), _list(args.links)
-    if min(args.batch_sizes + args.ks + [args.k, args.num_prompts, args.max_tokens, args.repeats]) < 1:
+    if min(args.batch_sizes + args.ks + [args.k, args.num_prompts, args.max_tokens, args.repeats, args.requests_per_slot]) < 1:
         p.error("batch sizes, k values, --num-prompts, --max-tokens and --repeats must be >= 1")
     if not (args.delays_ms and args.links):
         p.error("--delays-ms and --links need at least one value each")
@@ -115,7 +117,7 @@ def bench_scenario(scenario, args, cluster_address, bar, results) -> None:
                 results["skipped"].append({"scenario": scenario.name, "system": spec.name, "reason": f"failed to load: {exc}"})
         specs = [s for s in scenario.systems if s.name in runners]
         for batch in args.batch_sizes:
-            prompts = scenario.prompts[: max(batch, args.num_prompts) if args.load == "wave" else max(3 * batch, args.num_prompts)]
+            prompts = scenario.prompts[: max(batch, args.num_prompts) if args.load == "wave" else max(args.requests_per_slot * batch, args.num_prompts)]
             live = []
             for spec in specs:  # warm-up (also finds the systems that cannot run this batch size)
                 bar.set_postfix_str(f"{scenario.name} b={batch}: warm-up {spec.name}")
@@ -176,7 +178,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    num_prompts = max(args.batch_sizes + [args.num_prompts]) * (3 if args.load == "sustained" else 1)
+    num_prompts = max(args.batch_sizes + [args.num_prompts]) * (args.requests_per_slot if args.load == "sustained" else 1)
     meta = {k: v for k, v in vars(args).items() if k != "from_json"}
     meta.update(cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))

@@ -61,7 +61,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "scenario": key[0], "system": key[1], "batch": key[2], "kind": first["kind"], "k": first["k"], "baseline": first["baseline"],
             "delay_ms": first.get("delay_ms", 0.0), "link": first.get("link", ""), "repeats": len(rs),
             "num_tokens": sum(len(t) for t in first["token_ids"]), "tokens_per_s": statistics.median(tps),
-            "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+            "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps), "steady_tokens_per_s": _median(rs, "steady_tokens_per_s"),
             "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "per_token_acceptance": per_token_acceptance(per_pos, drafts),
             "tokens_per_step": 1 + accepted / drafts if drafts else (1.0 if first["k"] == 0 else None),
@@ -75,6 +75,8 @@ def summarize(records: list[dict]) -> list[dict]:
     for row in rows.values():
         base = rows.get((row["scenario"], row["baseline"], row["batch"]))
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if base else None
+        row["steady_speedup"] = (row["steady_tokens_per_s"] / base["steady_tokens_per_s"]
+                                 if base and row["steady_tokens_per_s"] and base["steady_tokens_per_s"] else None)
         row["greedy_exact"] = (base is not None and row["all_repeats_equal"] and base["all_repeats_equal"]
                                and row["token_ids"] == base["token_ids"])
         row.update(bounds(row, base))
@@ -83,7 +85,8 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def bounds(row: dict, base: dict | None) -> dict:
     """The serial and overlapped speed-up bounds and the fraction of each the system reached."""
-    out = {"serial_bound": None, "overlapped_bound": None, "fraction_serial": None, "fraction_overlapped": None}
+    out = {"serial_bound": None, "overlapped_bound": None, "fraction_serial": None, "fraction_overlapped": None,
+           "steady_fraction_overlapped": None}
     e, k, t_draft = row["tokens_per_step"], row["draft_tokens_per_step"], row["draft_step_ms"]
     t_verify, rtt = row["target_forward_ms"], row["link_ms"] or 0.0
     t1 = base["target_forward_ms"] if base else None
@@ -94,6 +97,8 @@ def bounds(row: dict, base: dict | None) -> dict:
     if row["speedup"]:
         out["fraction_serial"] = row["speedup"] / out["serial_bound"]
         out["fraction_overlapped"] = row["speedup"] / out["overlapped_bound"]
+    if row.get("steady_speedup"):
+        out["steady_fraction_overlapped"] = row["steady_speedup"] / out["overlapped_bound"]
     return out
 
 
@@ -117,12 +122,15 @@ def table(headers: list[str], rows: list[list]) -> str:
 def main_table(rows: list[dict]) -> str:
     return table(
         ["system", "k", "tok/s", "min-max", "speed-up", "acceptance", "tokens/step", "step ms", "target fwd", "draft fwd",
-         "link", "overhead", "greedy exact", "serial bound", "overlapped bound", "% serial", "% overlapped"],
+         "link", "overhead", "greedy exact", "serial bound", "overlapped bound", "% serial", "% overlapped",
+         "steady tok/s", "steady speed-up", "steady % overlapped"],
         [[r["system"], r["k"], r["tokens_per_s"], f"{r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}", r["speedup"],
           r["acceptance_rate"], r["tokens_per_step"], r["step_ms"], r["target_forward_ms"], r["draft_forward_ms"], r["link_ms"],
           r["overhead_ms"], r["greedy_exact"], r["serial_bound"], r["overlapped_bound"],
           None if r["fraction_serial"] is None else f"{100 * r['fraction_serial']:.0f}%",
-          None if r["fraction_overlapped"] is None else f"{100 * r['fraction_overlapped']:.0f}%"] for r in rows])
+          None if r["fraction_overlapped"] is None else f"{100 * r['fraction_overlapped']:.0f}%",
+          r.get("steady_tokens_per_s"), r.get("steady_speedup"),
+          None if r.get("steady_fraction_overlapped") is None else f"{100 * r['steady_fraction_overlapped']:.0f}%"] for r in rows])
 
 
 def predicted_section(rows: list[dict]) -> str:
@@ -175,8 +183,12 @@ def markdown(results: dict) -> str:
     meta, rows = results["meta"], results["summary"]
     parts = [f"# specserve systems benchmark ({meta['started']}{', QUICK: tiny sizes, noisy' if meta['quick'] else ''})",
              f"{meta['cpu_count']} CPUs, torch threads 1 everywhere, greedy (temperature 0, ignore_eos), prompts of "
-             f"{meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens each, batch B = waves of B concurrent requests; "
-             f"median of {meta['repeats']} interleaved repeats (min-max beside it). Speed-up is over the system's own target-only "
+             f"{meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens each, batch B = "
+             + ("waves of B concurrent requests; " if meta.get("load", "wave") == "wave" else
+                f"B requests in flight (a new one as each finishes) over max({meta.get('requests_per_slot', 3)} B, prompts) prompts; "
+                "'steady' is the throughput while the window was full (tokens made from the first admission to the last, over "
+                "that time: a finite run's draining tail left out); ")
+             + f"median of {meta['repeats']} interleaved repeats (min-max beside it). Speed-up is over the system's own target-only "
              "run; 'greedy exact' compares token ids with that run. Step times are medians per target step, in ms."]
     for s in results["scenarios"]:
         parts.append(f"## Scenario `{s['name']}`: target `{s['target']}`, draft `{s['draft']}`")

@@ -47,6 +47,20 @@ def per_step(before: dict, after: dict) -> dict:
             "overhead_ms": (t["wall_s"] - t["target_forward_s"] - t["prefill_s"] - t["draft_forward_s"]) / steps * 1e3}
 
 
+def steady_tokens_per_s(outs, batch: int) -> float | None:
+    """Throughput while the window of ``batch`` requests was full: the tokens made from the first
+    admission to the last, over that time. A request still running at the last admission counts the
+    share of its tokens its time so far implies (a request's rate is steady under a full window).
+    Left out: the end of a finite run, where speculating requests finish at different steps and the
+    batch drains; a server under sustained load has none. None: no request waited for a slot."""
+    start, last = min(o.arrival_time for o in outs), max(o.arrival_time for o in outs)
+    if len(outs) <= batch or last <= start:
+        return None
+    tokens = sum(len(o.token_ids) * min(1.0, (last - o.arrival_time) / (o.finished_time - o.arrival_time))
+                 for o in outs if o.arrival_time < last)
+    return tokens / (last - start)
+
+
 class SpecserveRunner:
     def __init__(self, spec, scenario, args, cluster_address: str | None = None):
         from specserve import LLM
@@ -81,6 +95,8 @@ class SpecserveRunner:
         after = self.llm.metrics()
         record = {"wall_s": wall, "token_ids": [list(o.token_ids) for o in outs], **spec_totals(outs),
                   **per_step(before, after), "speculation": after.get("speculation")}
+        if self.sustained:
+            record["steady_tokens_per_s"] = steady_tokens_per_s(outs, batch)
         if self.spec.kind == "specserve" and self.spec.k and self.spec.options.get("adaptive"):
             # The controller's own prediction (in-process only: over Ray, metrics()["speculation"] has its inputs).
             record["predicted"] = self.llm._engine.loop.core.controller.predict(batch)

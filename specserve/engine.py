@@ -338,11 +338,13 @@ class EngineLoop:
         self._wake.set()
 
     def submit_window(self, requests: list[tuple[str, list[int], SamplingParams]], window: int,
-                      deliver: Callable[[str, object], None]) -> Callable[[], None]:
+                      deliver: Callable[[str, object], None],
+                      admitted: Callable[[str], None] = lambda rid: None) -> Callable[[], None]:
         """Keep ``window`` of ``requests`` in the engine until they run out; ``deliver(request_id, item)``
-        gets every delta and error (on the engine's thread). A request that finishes is replaced from
-        the engine's thread before its next step (replaced from the caller's thread, it often missed
-        that step and left its slot idle for one). Returns ``stop()``: no more are started."""
+        gets every delta and error (on the engine's thread), ``admitted(request_id)`` is called as each
+        goes in. A request that finishes is replaced from the engine's thread before its next step
+        (replaced from the caller's thread, it often missed that step and left its slot idle for one).
+        Returns ``stop()``: no more are started."""
         lock, state = threading.Lock(), {"next": min(window, len(requests)), "stopped": False}
 
         def refill() -> None:
@@ -351,6 +353,7 @@ class EngineLoop:
                 if state["stopped"] or i >= len(requests):
                     return
                 state["next"] = i + 1
+            admitted(requests[i][0])
             try:
                 self.submit_many([with_sink(requests[i])])
             except Exception as exc:  # (callers validate first; never lose a request silently)
@@ -360,15 +363,17 @@ class EngineLoop:
             rid = request[0]
 
             def sink(item) -> None:
+                deliver(rid, item)
                 if not isinstance(item, Exception) and item.finished:
                     refill()
-                deliver(rid, item)
             return (*request, sink)
 
         def stop() -> None:
             with lock:
                 state["stopped"] = True
 
+        for r in requests[:window]:
+            admitted(r[0])
         self.submit_many([with_sink(r) for r in requests[:window]])
         return stop
 

@@ -16,6 +16,7 @@ import gc
 import itertools
 import logging
 import queue
+import time
 import uuid
 import weakref
 from collections.abc import Sequence
@@ -196,7 +197,8 @@ class LocalEngine:
 
         stop = None
         try:
-            stop = self.loop.submit_window(list(zip(order, token_ids, params)), max_in_flight or len(order), deliver)
+            stop = self.loop.submit_window(list(zip(order, token_ids, params)), max_in_flight or len(order), deliver,
+                                           lambda rid: setattr(outputs[rid], "arrival_time", time.time()))
             with tqdm(total=len(order), desc="generate", unit="req", disable=not use_tqdm) as bar:
                 for _ in order:
                     rid, err = done.get()

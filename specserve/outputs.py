@@ -7,6 +7,7 @@ is one verified block of at least one draft token (the 1 counts the bonus/recove
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -107,6 +108,12 @@ class RequestOutput:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     logprobs: list | None = None  # per generated token, as StepDelta.logprobs (None: not asked for)
     prompt_logprobs: list | None = None  # per prompt token, as StepDelta.prompt_logprobs (None: not asked for)
+    # Wall-clock times (``time.time()``, the target host's clock, as vLLM's ``RequestMetrics``): when the
+    # engine took the request (a request waiting for a slot of ``generate(max_in_flight=...)`` has not
+    # arrived yet), when its first token and its last came out.
+    arrival_time: float = field(default_factory=time.time)
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -122,8 +129,11 @@ class RequestOutput:
                 self.logprobs = []
             self.logprobs.extend(delta.logprobs)
         self.metrics.record(delta.num_draft_tokens, delta.num_accepted_tokens, delta.fallback)
+        if self.first_token_time is None and delta.token_ids:
+            self.first_token_time = time.time()
         if delta.finished:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.finished_time = time.time()
 
     # vLLM-style aliases, so code written against vLLM's outputs reads the same.
     @property

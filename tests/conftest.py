@@ -181,3 +181,13 @@ def free_ports(n: int) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def assert_admitted_as_slots_freed(outs, window: int) -> None:
+    """Each output's times are ordered, and a request beyond the first ``window`` arrived (was taken by the
+    engine) only after as many others had finished: time spent waiting for a slot is not its latency."""
+    for o in outs:
+        assert o.arrival_time <= o.first_token_time <= o.finished_time
+    finished = sorted(o.finished_time for o in outs)
+    for i, o in enumerate(outs[window:]):
+        assert o.arrival_time >= finished[i]

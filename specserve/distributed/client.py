@@ -185,4 +185,5 @@ class RayEngine:
 def _output(d: dict, text, token_ids) -> RequestOutput:
     """The target actor's output dict (``TargetWorker.generate`` / ``generate_many``) as a ``RequestOutput``."""
     return RequestOutput(d["request_id"], text, list(token_ids), d["token_ids"], d["text"], d["finish_reason"], d["stop_reason"],
-                         SpecMetrics.from_dict(d["metrics"]), d.get("logprobs"), d.get("prompt_logprobs"))
+                         SpecMetrics.from_dict(d["metrics"]), d.get("logprobs"), d.get("prompt_logprobs"),
+                         d.get("arrival_time", time.time()), d.get("first_token_time"), d.get("finished_time"))

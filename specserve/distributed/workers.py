@@ -328,7 +328,8 @@ class TargetWorker:
                     return
             loop.call_soon_threadsafe(events.put_nowait, (rid, item))
 
-        stop = self.loop.submit_window([(rid, list(ids), SamplingParams(**p)) for rid, ids, p in requests], max_in_flight, deliver)
+        stop = self.loop.submit_window([(rid, list(ids), SamplingParams(**p)) for rid, ids, p in requests], max_in_flight, deliver,
+                                       lambda rid: setattr(outs[rid], "arrival_time", time.time()))
         try:
             while outs:
                 rid, item = await events.get()
@@ -382,4 +383,5 @@ def _output_dict(out: RequestOutput) -> dict:
     """A finished request's output as the target actor returns it (the caller rebuilds a ``RequestOutput``)."""
     return {"request_id": out.request_id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason, "metrics": out.metrics.to_dict(), "logprobs": out.logprobs,
-            "prompt_logprobs": out.prompt_logprobs}
+            "prompt_logprobs": out.prompt_logprobs, "arrival_time": out.arrival_time, "first_token_time": out.first_token_time,
+            "finished_time": out.finished_time}

@@ -14,7 +14,7 @@ from specserve import LLM, SamplingParams
 from specserve.distributed import PlacementError
 from specserve.reference import reference_generate
 
-from ..conftest import make_model, wait_until
+from ..conftest import assert_admitted_as_slots_freed, make_model, wait_until
 from .conftest import node_labels
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(18)]  # 18 prompts, 1..23 tokens
@@ -269,4 +269,5 @@ def test_a_window_of_requests_is_kept_full_by_the_target(llm, reference):
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, max_in_flight=3)
     assert [o.token_ids for o in outs] == reference
     assert [o.prompt_token_ids for o in outs] == [list(p) for p in PROMPTS]
+    assert_admitted_as_slots_freed(outs, 3)
     assert ray.get(llm._engine.target.num_seqs.remote()) == 0

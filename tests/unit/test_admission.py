@@ -12,7 +12,7 @@ from specserve.engine import RequestFailed
 from specserve.reference import reference_generate
 from specserve.target import TargetSide
 
-from ..conftest import stream_all
+from ..conftest import assert_admitted_as_slots_freed, stream_all
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 2 + (5 * i) % 23)) for i in range(12)]
 LENGTHS = [4 + (7 * i) % 19 for i in range(12)]  # finishes spread over the steps: admissions meet drafting rows
@@ -146,3 +146,4 @@ def test_generate_refills_a_finished_slot_before_the_next_step(tiny_pair, refere
         assert set(in_flight[:full]) == {3}
         assert all(a >= b for a, b in zip(in_flight[full:], in_flight[full + 1:]))  # ... only once the prompts ran out
         assert full >= max(LENGTHS) // 2  # (the runs of the longest requests alone take that many steps)
+        assert_admitted_as_slots_freed(outs, 3)
