@@ -63,6 +63,9 @@ class ModelDrafter:
         # sooner than the budget said), regrown while trees finish in time (``_fit_budget``).
         self.budget_scale = 1.0
         self.last_tree: tuple[int, int] = (0, 0)  # (branches per sequence, depth) of the last tree, for metrics
+        # Trees a verdict made stale, freed off the critical path by the next prepare: freed in propose,
+        # their ~2,500 arrays a step took 0.8 ms of the draft's reply at batch 32 (simulated Spark + 5090).
+        self._stale: list[dict] = []
 
     def open(self, seq: DraftSeq) -> None:
         self.backend.add(seq.key)
@@ -154,6 +157,8 @@ class ModelDrafter:
                 prefix = branch.token_ids[:k]
             s.block, s.block_base, s.num_asked = [], len(s.token_ids), k
             s.block_probs, s.block_cands = [], []
+            if s.cache:
+                self._stale.append(s.cache)
             s.cache = {}
             if branch is not None and k:
                 s.block_cands = list(branch.cands[: len(prefix)])
@@ -238,6 +243,7 @@ class ModelDrafter:
         """Glue forward over each block just sent, then the branch tree for its likeliest verdicts,
         as wide and deep as ``budget_s`` (the time until the target's next request) allows."""
         started = time.perf_counter()
+        self._stale.clear()
         if not self.preempt:
             should_stop = lambda: False  # noqa: E731
         seqs = self._ahead_seqs(seqs)
@@ -283,6 +289,9 @@ class ModelDrafter:
             self._grow_tree([seqs[i] for i in short], should_stop, left)
         if long and not should_stop():
             self._glue([seqs[i] for i in long], [feeds[i] for i in long])
+            left = budget_s - (time.perf_counter() - started) if budget_s > 0 else 0.0
+            if left > 0 or budget_s <= 0:  # their trees (a new prompt's: its first token's likeliest values) with what is left
+                self._grow_tree([seqs[i] for i in long], should_stop, max(1e-9, left) if budget_s > 0 else 0.0)
 
     def _glue_feed(self, s: DraftSeq) -> list[int]:
         """What the KV has not seen of a sequence: committed tokens, then the block just sent."""

@@ -194,3 +194,25 @@ def test_trees_shrink_when_the_next_request_waits_for_them_and_regrow(tiny_pair)
                                num_draft_tokens=[3]))
     side.prepare(lambda: True)  # a request already waiting: no tree, nothing learnt
     assert drafter.budget_scale == pytest.approx(0.1 * 1.05 ** 4)
+
+
+@pytest.mark.parametrize("prompt_len", [4, 12])  # glued with the other rows, or alone after their tree
+def test_a_prompt_opened_while_others_speculate_gets_its_first_block_drafted_ahead(tiny_pair, prompt_len):
+    """A prompt the target prefills inside its verify (opened, nothing asked for it yet) while other
+    sequences speculate: prepare() feeds the prompt and grows a tree over its first token's likeliest
+    values, so the block after the first token comes from the cache, equal to drafting it afresh."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["perturbed"], dtype=torch.float64).eval()
+    side = DraftSide(ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2))
+    side.handle(ProposeRequest(1, opens=[OpenSeq("old", [1, 2, 3])], request_ids=["old"], num_draft_tokens=[3]))
+    side.prepare()
+    prompt = [7 + i % 40 for i in range(prompt_len)]
+    side.handle(ProposeRequest(2, results=[VerifyResult("old", 3, 0, [5])], opens=[OpenSeq("new", prompt)],
+                               request_ids=["old"], num_draft_tokens=[3]))
+    side.prepare()
+    assert side.seqs["new"].num_fed == prompt_len  # the whole prompt: its last logits give the first token's candidates
+    first = greedy_drafts(model, prompt, 1)[0]  # the target's first token (here the draft's own guess)
+    reply = side.handle(ProposeRequest(3, results=[VerifyResult("new", prompt_len, 0, [first])], request_ids=["new"],
+                                       num_draft_tokens=[3]))
+    block = reply.blocks[0]
+    assert block.cache_hit and block.base_len == prompt_len + 1
+    assert block.draft_token_ids == greedy_drafts(model, prompt + [first], 3)
