@@ -64,6 +64,10 @@ class DraftSeq:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def new_block(self, k: int) -> None:
+        """Start an empty block of up to ``k`` drafts after the committed tokens (its cache is the caller's)."""
+        self.block, self.block_base, self.num_asked, self.block_probs, self.block_cands = [], len(self.token_ids), k, [], []
+
 
 @dataclass
 class Proposal:
@@ -238,7 +242,7 @@ class DraftSide:
         for o in req.opens if k else ():
             s = self.seqs.get(o.request_id)
             if s is not None and o.request_id not in asked and not s.block:
-                s.block, s.block_base, s.num_asked, s.block_probs, s.block_cands = [], len(s.token_ids), k, [], []
+                s.new_block(k)
                 fresh.append(s)
         return fresh
 

@@ -101,7 +101,7 @@ class HeadDrafter(ModelDrafter):
         for i, (s, k) in enumerate(zip(seqs, ks)):
             k = max(0, min(k, room - len(s.token_ids)))
             branch = self._lookup(s) if k else None
-            s.block, s.block_base, s.num_asked, s.block_probs, s.block_cands = [], len(s.token_ids), k, [], []
+            s.new_block(k)
             s.cache = {}
             self._glue_in.pop(s.key, None)
             prefix = branch.token_ids[:k] if branch is not None else []

@@ -155,8 +155,7 @@ class ModelDrafter:
             branch = self._lookup(s)
             if branch is not None and k:
                 prefix = branch.token_ids[:k]
-            s.block, s.block_base, s.num_asked = [], len(s.token_ids), k
-            s.block_probs, s.block_cands = [], []
+            s.new_block(k)
             if s.cache:
                 self._stale.append(s.cache)
             s.cache = {}
@@ -283,15 +282,16 @@ class ModelDrafter:
         limit = 2 * max(max(s.num_asked, len(s.block)) for s in seqs) + 2
         short = [i for i, f in enumerate(feeds) if self._feed_len(f) <= limit]
         long = [i for i, f in enumerate(feeds) if self._feed_len(f) > limit]
+        def left() -> float:  # the budget still unspent (0.0: no budget known, a tree as deep as asked)
+            return max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0
+
         if short:
             self._glue([seqs[i] for i in short], [feeds[i] for i in short])
-            left = max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0  # (0: no budget known)
-            self._grow_tree([seqs[i] for i in short], should_stop, left)
+            self._grow_tree([seqs[i] for i in short], should_stop, left())
         if long and not should_stop():
             self._glue([seqs[i] for i in long], [feeds[i] for i in long])
-            left = budget_s - (time.perf_counter() - started) if budget_s > 0 else 0.0
-            if left > 0 or budget_s <= 0:  # their trees (a new prompt's: its first token's likeliest values) with what is left
-                self._grow_tree([seqs[i] for i in long], should_stop, max(1e-9, left) if budget_s > 0 else 0.0)
+            if budget_s <= 0 or left() > 1e-9:  # their trees (a new prompt's: its first token's likeliest values) with what is left
+                self._grow_tree([seqs[i] for i in long], should_stop, left())
 
     def _glue_feed(self, s: DraftSeq) -> list[int]:
         """What the KV has not seen of a sequence: committed tokens, then the block just sent."""
