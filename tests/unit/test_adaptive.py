@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from specserve.adaptive import TARGET_ONLY, SpeculationController
+from specserve.adaptive import PROBE_CUT_CYCLES, TARGET_ONLY, SpeculationController
 
 
 class Pair:
@@ -120,6 +120,26 @@ def test_probes_of_a_losing_arm_become_rarer():
     # a probe of 5 steps every 16 would be ~310 speculative steps in 1,000: probes back off while they confirm k = 0
     assert sum(1 for a in late if a[0]) < 1000 / 16 * 5 / 4
     assert any(a[0] for a in late)  # but never stop
+
+
+def runs_of(arms: list[tuple], speculating: bool = True) -> list[int]:
+    """Lengths of the stretches of consecutive speculative (or target-only) steps."""
+    out, n = [], 0
+    for a in arms + [None]:
+        if a is not None and bool(a[0]) == speculating:
+            n += 1
+        elif n:
+            out, n = out + [n], 0
+    return out
+
+
+def test_a_probe_that_cannot_win_is_cut_short():
+    ctrl = SpeculationController(max_k=4, probe_every=16)
+    arms = run(ctrl, 8, Pair(0.5, losing), 3000)
+    probes = runs_of(arms[300:])  # past the warm-up: each stretch of speculation is a probe from target-only
+    assert probes and settled(arms) == TARGET_ONLY
+    # two switch cycles that are not measured, then PROBE_CUT_CYCLES measured ones (a full probe: 15 steps)
+    assert max(probes) <= 2 + PROBE_CUT_CYCLES
 
 
 def test_a_better_arm_found_later_takes_over():
