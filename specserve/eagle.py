@@ -1,4 +1,4 @@
-"""EAGLE-1, EAGLE-3 and DeepSeek-V3 MTP draft heads: recognised from a checkpoint's config.json, built from transformers' parts.
+"""EAGLE-1, EAGLE-3 and DeepSeek-V3 / Qwen3-Next MTP draft heads: recognised from a checkpoint's config.json, built from transformers' parts.
 
 A head drafts from the target's own hidden states: at position t it reads the target's
 row for t and the embedding of token t + 1 and predicts token t + 2; its next step reads
@@ -10,8 +10,9 @@ target's aux layers, its own norm and LM head over a reduced vocabulary with ``d
 its target (embedding, LM head) are read from the target's safetensors by name, those
 tensors only. A DeepSeek-V3 checkpoint whose config has ``num_nextn_predict_layers`` holds
 its own head: its multi-token-prediction layer, stored as layer N (vLLM's DeepSeekMTP;
-``MtpHead``), read by name from the checkpoint without the rest. Knows nothing of drafting or
-the wire.
+``MtpHead``), read by name from the checkpoint without the rest; so does a Qwen3-Next checkpoint
+holding ``mtp.*`` tensors (vLLM's Qwen3NextMTP; ``Qwen3NextMtpHead``). Knows nothing of drafting
+or the wire.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ EAGLE_ARCHS = {"EagleLlamaForCausalLM", "LlamaForCausalLMEagle"}
 FINAL = -1  # a head that reads the target's final (normed) hidden state (EAGLE-1)
 
 
-MTP_MODEL_TYPES = {"deepseek_v3"}  # checkpoints whose multi-token-prediction layer drafts (num_nextn_predict_layers >= 1)
+MTP_MODEL_TYPES = {"deepseek_v3", "qwen3_next"}  # checkpoints whose multi-token-prediction layer drafts
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def head_spec(path: str) -> HeadSpec | None:
     if cfg is None:
         return None
     archs = set(cfg.get("architectures") or [])
-    if cfg.get("model_type") in MTP_MODEL_TYPES and int(cfg.get("num_nextn_predict_layers") or 0) >= 1:
+    if cfg.get("model_type") in MTP_MODEL_TYPES and _has_mtp_layer(path, cfg):
         vocab = int(cfg["vocab_size"])
         return HeadSpec("mtp", cfg, vocab, vocab, int(cfg["hidden_size"]), None, False, None)
     if cfg.get("speculators_model_type") == "eagle3":
@@ -85,6 +86,26 @@ def head_spec(path: str) -> HeadSpec | None:
     return HeadSpec(kind, layer, vocab, int(extra.get("draft_vocab_size") or vocab),
                     int(extra.get("target_hidden_size") or hidden), tuple(int(i) for i in layer_ids) if layer_ids else None,
                     norm_before_residual, name)
+
+
+def _has_mtp_layer(path: str, cfg: dict) -> bool:
+    """DeepSeek-V3 says so in its config (``num_nextn_predict_layers``); a Qwen3-Next checkpoint holds
+    ``mtp.*`` tensors (its config need not say: vLLM assumes one layer), found from the safetensors
+    index or the files' headers, no tensor read."""
+    if cfg.get("model_type") == "deepseek_v3":
+        return int(cfg.get("num_nextn_predict_layers") or 0) >= 1
+    root = os.path.expanduser(path)
+    index = os.path.join(root, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return any(k.startswith(QWEN3_NEXT_MTP_PREFIX) for k in json.load(f).get("weight_map", {}))
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(root, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            if any(k.startswith(QWEN3_NEXT_MTP_PREFIX) for k in f.keys()):
+                return True
+    return False
 
 
 def target_layers(spec: HeadSpec, num_target_layers: int) -> tuple[int, ...]:
@@ -255,12 +276,60 @@ class MtpHead(_Head):
         return SimpleNamespace(logits=self._logits(self.norm(out)), hidden=out)
 
 
-def _mtp_weights(path: str, num_layers: int) -> dict[str, torch.Tensor]:
-    """The MTP layer's tensors (``model.layers.<N>.*``), by name: the rest of the checkpoint is never read."""
+class Qwen3NextMtpHead(_Head):
+    """Qwen3-Next's multi-token-prediction layer (``mtp.*``), as vLLM's Qwen3NextMTP runs it: fc over
+    cat(pre_fc_norm_embedding(embedding), pre_fc_norm_hidden(the target's final hidden state)), one
+    full-attention Qwen3-Next decoder layer (gated attention, the MoE block with its shared expert),
+    then its norm and the target's LM head. Unlike DeepSeek-V3's layer, the rows the next step reads
+    are the normed output (what vLLM's MTP returns), and position 0's embedding is not zeroed."""
+
+    def __init__(self, spec: HeadSpec):
+        nn.Module.__init__(self)
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import (Qwen3NextDecoderLayer, Qwen3NextRMSNorm,
+                                                                        Qwen3NextRotaryEmbedding)
+
+        self.spec = spec
+        keys = {k: v for k, v in spec.config.items() if k not in ("architectures", "auto_map", "model_type", "transformers_version")}
+        self.config = c = Qwen3NextConfig(**keys)
+        c._attn_implementation = "sdpa"
+        h, eps = c.hidden_size, c.rms_norm_eps
+        # vLLM builds it as layer 0 of its own stack (which decides dense or MoE), with full attention.
+        layer_config = Qwen3NextConfig(**{**keys, "layer_types": ["full_attention"] * c.num_hidden_layers})
+        layer_config._attn_implementation = "sdpa"
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = Qwen3NextRMSNorm(h, eps=eps), Qwen3NextRMSNorm(h, eps=eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = Qwen3NextDecoderLayer(layer_config, layer_idx=0)
+        self.rotary = Qwen3NextRotaryEmbedding(c)
+        self.norm = Qwen3NextRMSNorm(h, eps=eps)
+        self.lm_head = nn.Linear(h, spec.vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.vocab_size, dtype=torch.long))  # (the identity: unused)
+
+    def forward(self, input_ids, position_ids, attention_mask, past_key_values, hidden_states, logits_to_keep=1, **_):
+        embeds = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
+        x = self.fc(torch.cat([embeds, self.pre_fc_norm_hidden(hidden_states)], dim=-1))
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+                         position_embeddings=self.rotary(x, position_ids))
+        out = self.norm((out[0] if isinstance(out, tuple) else out)[:, -logits_to_keep:])
+        return SimpleNamespace(logits=self._logits(out), hidden=out)
+
+
+QWEN3_NEXT_MTP_PREFIX = "mtp."
+
+
+def _mtp_weights(path: str, num_layers: int, model_type: str = "deepseek_v3") -> dict[str, torch.Tensor]:
+    """The MTP layer's tensors, by name: the rest of the checkpoint is never read. DeepSeek-V3 stores
+    it as layer N (``model.layers.<N>.*``, its norm and LM head under ``shared_head``), Qwen3-Next
+    under ``mtp.`` (``mtp.layers.0.*``, ``mtp.fc``, ``mtp.norm``, ``mtp.pre_fc_norm_*``)."""
     from safetensors import safe_open
 
-    prefix = f"model.layers.{num_layers}."
-    rename = {"shared_head.norm.": "norm.", "shared_head.head.": "lm_head."}
+    if model_type == "qwen3_next":
+        prefix, rename = QWEN3_NEXT_MTP_PREFIX, {"layers.0.": "layer."}
+        stored = prefix + "layers.0."  # (where the layer's own tensors are)
+    else:
+        prefix, rename = f"model.layers.{num_layers}.", {"shared_head.norm.": "norm.", "shared_head.head.": "lm_head."}
+        stored = prefix
     out: dict[str, torch.Tensor] = {}
     for file in _safetensors(path):
         with safe_open(file, framework="pt") as f:
@@ -279,7 +348,7 @@ def _mtp_weights(path: str, num_layers: int) -> dict[str, torch.Tensor]:
     if per_expert:
         def e(i: int, name: str) -> torch.Tensor:
             if f"layer.mlp.experts.{i}.{name}.weight" not in out:
-                raise ValueError(f"draft {path!r}: the MTP layer lacks {prefix}mlp.experts.{i}.{name}.weight")
+                raise ValueError(f"draft {path!r}: the MTP layer lacks {stored}mlp.experts.{i}.{name}.weight")
             return out.pop(f"layer.mlp.experts.{i}.{name}.weight")
 
         experts = [(e(i, "gate_proj"), e(i, "up_proj"), e(i, "down_proj")) for i in per_expert]
@@ -364,8 +433,9 @@ def load_head(path: str, target: str, num_target_layers: int, dtype: torch.dtype
     layers = target_layers(spec, num_target_layers)
     weights: dict[str, torch.Tensor] = {}
     if spec.kind == "mtp":  # the layer lives in the target's own checkpoint
-        head = MtpHead(spec)
-        weights = _mtp_weights(path, head.config.num_hidden_layers)
+        model_type = spec.config.get("model_type")
+        head = Qwen3NextMtpHead(spec) if model_type == "qwen3_next" else MtpHead(spec)
+        weights = _mtp_weights(path, head.config.num_hidden_layers, model_type)
     else:
         head = Eagle3Head(spec, len(layers)) if spec.kind == "eagle3" else EagleHead(spec)
         for file in _safetensors(path):

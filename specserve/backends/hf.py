@@ -56,6 +56,17 @@ def model_max_len(config) -> int:
     return 2048
 
 
+def check_attention_only(model: str, config) -> None:
+    """``ValueError`` for a model with layers other than attention (Qwen3-Next's gated delta net, Mamba): this
+    backend rolls a sequence back by cutting its attention KV at a position, which a recurrent state cannot do."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    other = sorted({t for t in getattr(text_config, "layer_types", None) or () if "attention" not in t or "linear" in t})
+    if other:
+        raise ValueError(f"{model!r} ({text_config.model_type}) has {', '.join(other)} layers, whose state cannot be rolled "
+                         "back to a position as attention KV is: specserve's own engine and transformers drafts cannot "
+                         "run it; serve it with the vLLM target engine (target_backend='vllm')")
+
+
 class HFBackend:
     """Batched forward with per-sequence KV rows; see ``ModelBackend``."""
 
@@ -68,11 +79,12 @@ class HFBackend:
         trust_remote_code: bool = False,
         max_model_len: int | None = None,
     ):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
         if device_map is not None:
             kwargs["device_map"] = device_map
+        check_attention_only(model, AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
         self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
         if device_map is None:
             self.model.to(device)

@@ -92,7 +92,11 @@ class RemoteDraftProposer:
         self._stop = threading.Event()
         self.pool: DraftPool | None = None
         opts = (vllm_config.additional_config or {}).get("specserve", {}) if isinstance(vllm_config.additional_config, dict) else {}
-        self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)))
+        # A hybrid target (Qwen3-Next's gated delta net, Mamba layers) keeps its linear-attention state per draft
+        # position, and vLLM rolls it back assuming every decoding row carries k drafts (its own MTP always
+        # proposes k): each row then gets exactly k, short blocks padded, k fixed (``_uniform``).
+        self.uniform = _is_hybrid(vllm_config)
+        self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)) and not self.uniform)
         self._step_started: float | None = None  # when the runner began the step being verified
         self._last_end: float | None = None  # when the previous step's propose returned
         self._between: float | None = None  # vLLM's own time between that and this step's runner (None: an idle gap)
@@ -133,8 +137,8 @@ class RemoteDraftProposer:
             keep_hidden=self._keep_hidden if self.hidden_layers is not None else None,
         )
         threading.Thread(target=self._idle_flush, name="specserve-proposer-flush", daemon=True).start()
-        logger.info("RemoteDraftProposer: k<=%d (%s), target %s", self.k, "adaptive" if self.controller.adaptive else "fixed",
-                    link.target_id)
+        mode = "adaptive" if self.controller.adaptive else "fixed, every row padded to k: a hybrid target" if self.uniform else "fixed"
+        logger.info("RemoteDraftProposer: k<=%d (%s), target %s", self.k, mode, link.target_id)
 
     def load_model(self, *args, **kwargs) -> None:
         """vLLM's CPU runner calls this with the target model; a remote draft needs nothing from it."""
@@ -388,6 +392,8 @@ class RemoteDraftProposer:
         wants = plan_draft_lengths(self.controller, len(live), have,
                                    ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
                                    cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
+        if self.uniform:
+            wants = {rid: self.k for rid in live}
         arm = self.controller.arm if wants or not (self.controller.arm and self.controller.arm[0]) else None
         previous = self._asked[2] if self._asked is not None else None
         if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
@@ -417,6 +423,8 @@ class RemoteDraftProposer:
                 drafts[live[rid][0]] = seq.block
                 handed[rid] = block
                 self.counters["num_blocks"] += 1
+        if self.uniform:
+            self._uniform(drafts, live, token_ids_cpu)
         self._asked = (outcome, handed, wants, cache_only, is_warm(previous, wants))
         self.counters["num_proposals"] += 1
         self.counters["num_cache_only_steps"] += cache_only
@@ -427,6 +435,15 @@ class RemoteDraftProposer:
         self._observe_verify(*verified, own_s=time.perf_counter() - entered - outcome.wait_s)
         self._observe_cycle(*cycle, arm)
         return drafts
+
+    def _uniform(self, drafts: list[list[int]], live: dict, token_ids_cpu) -> None:
+        """Pad every decoding row's drafts to k (a hybrid target): with the block's last token, or the row's last
+        committed one. The padding is verified like any draft; the draft hears only of its own block's fate."""
+        for rid, (i, seq) in live.items():
+            block = drafts[i]
+            if len(block) < self.k:
+                fill = block[-1] if block else int(token_ids_cpu[i, seq.length - 1])
+                drafts[i] = block + [fill] * (self.k - len(block))
 
     def _observe_verify(self, batch_size: int, tokens_per_row: int, verify_s: float | None, step_s: float | None,
                         prefill: bool, last_ask, own_s: float) -> None:
@@ -484,6 +501,13 @@ def _torch():
     import torch
 
     return torch
+
+
+def _is_hybrid(vllm_config) -> bool:
+    try:
+        return bool(vllm_config.model_config.is_hybrid)
+    except Exception:  # an older vLLM, or a config without model info
+        return False
 
 
 def _head_layers(head: str | None, vllm_config) -> tuple[int, ...] | None:
