@@ -239,6 +239,14 @@ class EagleHead(_Head):
         return SimpleNamespace(logits=self._logits(out), hidden=out)
 
 
+def _hf_config(spec: HeadSpec, config_class, **override):
+    """An MTP checkpoint's config as transformers' ``config_class`` (sdpa attention), with ``override``."""
+    keys = {k: v for k, v in spec.config.items() if k not in ("architectures", "auto_map", "model_type", "transformers_version")}
+    config = config_class(**{**keys, **override})
+    config._attn_implementation = "sdpa"
+    return config
+
+
 class MtpHead(_Head):
     """DeepSeek-V3's multi-token-prediction layer, as vLLM's DeepSeekMTP runs it: eh_proj over
     cat(enorm(embedding), hnorm(the target's final hidden state)) (the embedding zeroed at
@@ -253,9 +261,7 @@ class MtpHead(_Head):
                                                                           DeepseekV3RotaryEmbedding)
 
         self.spec = spec
-        keys = {k: v for k, v in spec.config.items() if k not in ("architectures", "auto_map", "model_type", "transformers_version")}
-        self.config = c = DeepseekV3Config(**keys)
-        c._attn_implementation = "sdpa"
+        self.config = c = _hf_config(spec, DeepseekV3Config)
         h, eps = c.hidden_size, c.rms_norm_eps
         self.embed_tokens = nn.Embedding(spec.vocab_size, h)
         self.enorm, self.hnorm = DeepseekV3RMSNorm(h, eps=eps), DeepseekV3RMSNorm(h, eps=eps)
@@ -290,13 +296,10 @@ class Qwen3NextMtpHead(_Head):
                                                                         Qwen3NextRotaryEmbedding)
 
         self.spec = spec
-        keys = {k: v for k, v in spec.config.items() if k not in ("architectures", "auto_map", "model_type", "transformers_version")}
-        self.config = c = Qwen3NextConfig(**keys)
-        c._attn_implementation = "sdpa"
+        self.config = c = _hf_config(spec, Qwen3NextConfig)
         h, eps = c.hidden_size, c.rms_norm_eps
         # vLLM builds it as layer 0 of its own stack (which decides dense or MoE), with full attention.
-        layer_config = Qwen3NextConfig(**{**keys, "layer_types": ["full_attention"] * c.num_hidden_layers})
-        layer_config._attn_implementation = "sdpa"
+        layer_config = _hf_config(spec, Qwen3NextConfig, layer_types=["full_attention"] * c.num_hidden_layers)
         self.embed_tokens = nn.Embedding(spec.vocab_size, h)
         self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = Qwen3NextRMSNorm(h, eps=eps), Qwen3NextRMSNorm(h, eps=eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
