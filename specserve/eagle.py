@@ -32,6 +32,7 @@ FINAL = -1  # a head that reads the target's final (normed) hidden state (EAGLE-
 
 
 MTP_MODEL_TYPES = {"deepseek_v3", "qwen3_next"}  # checkpoints whose multi-token-prediction layer drafts
+QWEN3_NEXT_MTP_PREFIX = "mtp."  # where a Qwen3-Next checkpoint keeps it
 
 
 @dataclass(frozen=True)
@@ -316,9 +317,6 @@ class Qwen3NextMtpHead(_Head):
                          position_embeddings=self.rotary(x, position_ids))
         out = self.norm((out[0] if isinstance(out, tuple) else out)[:, -logits_to_keep:])
         return SimpleNamespace(logits=self._logits(out), hidden=out)
-
-
-QWEN3_NEXT_MTP_PREFIX = "mtp."
 
 
 def _mtp_weights(path: str, num_layers: int, model_type: str = "deepseek_v3") -> dict[str, torch.Tensor]:

@@ -84,8 +84,9 @@ class HFBackend:
         kwargs = dict(dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
         if device_map is not None:
             kwargs["device_map"] = device_map
-        check_attention_only(model, AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code))
-        self.model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        check_attention_only(model, config)
+        self.model = AutoModelForCausalLM.from_pretrained(model, config=config, **kwargs)
         if device_map is None:
             self.model.to(device)
         self._adopt(self.model, self.model.get_output_embeddings().weight.shape[0], model_max_len(self.model.config), max_model_len)

@@ -389,11 +389,13 @@ class RemoteDraftProposer:
             self._reconcile()
         drafts: list[list[int]] = [[] for _ in range(n)]
         have = self.pool.has_drafts
-        wants = plan_draft_lengths(self.controller, len(live), have,
-                                   ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
-                                   cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
-        if self.uniform:
+        if self.uniform:  # every row carries k (padded below), a draft connected or not; no room to read per row
+            self.controller.choose(len(live), have)
             wants = {rid: self.k for rid in live}
+        else:
+            wants = plan_draft_lengths(self.controller, len(live), have,
+                                       ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
+                                       cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
         arm = self.controller.arm if wants or not (self.controller.arm and self.controller.arm[0]) else None
         previous = self._asked[2] if self._asked is not None else None
         if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
