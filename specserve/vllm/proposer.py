@@ -85,7 +85,7 @@ class RemoteDraftProposer:
         self.timing = {"propose_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0,
                        "verify_s": 0.0}
         self.counters = {"num_proposals": 0, "num_cache_only_steps": 0, "num_blocks": 0, "num_resyncs": 0, "num_cache_hits": 0,
-                         "num_verify_steps": 0}
+                         "num_verify_steps": 0, "num_plain_steps": 0}
         self._lock = threading.RLock()
         self._step = 0
         self._last_propose = time.monotonic()
@@ -126,6 +126,7 @@ class RemoteDraftProposer:
             slot.proposer = self
         self._hook_finished()
         self._hook_step_timer()
+        self._hook_plain_steps()
         device = str(getattr(getattr(vllm_config, "device_config", None), "device", "cpu") or "cpu")
         hello_info = {**link.hello_info, "placement": placement(device)}
         if self.hidden_layers is not None:
@@ -173,6 +174,36 @@ class RemoteDraftProposer:
             return _original(*args, **kwargs)
 
         self.runner.execute_model = execute_model
+
+    def _hook_plain_steps(self) -> None:
+        """A step that verifies no drafts runs as vLLM runs a target without speculation.
+
+        With a speculative config, vLLM's runner builds speculative metadata and samples through its
+        rejection sampler on every step, drafts or none: on the demo pair at batch 8 that was ~6% of a
+        k = 0 step (a draft attached at k = 0 ran 0.95x the same target without one). The seam (vLLM
+        0.32): ``_prepare_inputs`` takes the speculative branch when ``runner.speculative_config`` is set;
+        without it, it returns no speculative metadata, and ``_sample`` then uses the plain sampler, whose
+        one token per row the bookkeeping reads as it reads a rejection sampler's. Everything after it
+        (the proposer's call, the metadata the drafts are asked with) still sees the config. Left as is:
+        a hybrid target (its linear-attention state is rolled back per draft position, also at zero
+        drafts) and steps with a seeded sampled request (its draws must not depend on whether a step
+        carried drafts)."""
+        runner = self.runner
+        original = getattr(runner, "_prepare_inputs", None)
+        if original is None or self.uniform or not hasattr(runner, "speculative_config"):
+            return
+
+        def _prepare_inputs(scheduler_output, *args, _original=original, **kwargs):
+            if getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or self._num_seeded:
+                return _original(scheduler_output, *args, **kwargs)
+            self.counters["num_plain_steps"] += 1
+            config, runner.speculative_config = runner.speculative_config, None
+            try:
+                return _original(scheduler_output, *args, **kwargs)
+            finally:
+                runner.speculative_config = config
+
+        runner._prepare_inputs = _prepare_inputs
 
     # -- hidden states for an EAGLE head ----------------------------------------------------------
     def _hook_hidden_states(self, vllm_config, opts: dict, device: str) -> dict:

@@ -257,7 +257,7 @@ class VLLMEngineCore(RequestQueue):
             status = self.proposer.status()
             out["drafts"] = status
             out["speculation"] = status["speculation"]
-            for key in ("num_cache_hits", "num_blocks", "num_cache_only_steps"):
+            for key in ("num_cache_hits", "num_blocks", "num_cache_only_steps", "num_plain_steps"):
                 out[key] = status[key]
         return out
 

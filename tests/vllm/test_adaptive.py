@@ -2,9 +2,9 @@
 
 The proposer picks each step's k (0 .. num_speculative_tokens) and whether the draft answers
 from its speculation cache alone; its warm-up runs both, so even these short runs verify
-k = 0 steps, full-k steps and cache-only steps. Greedy output equals vLLM target-only's token
-for token, and unseeded sampled output (seeded requests keep a fixed k) follows the target's
-exact distribution (chi-square).
+k = 0 steps (which vLLM runs as it runs a target without speculation), full-k steps and
+cache-only steps. Greedy output equals vLLM target-only's token for token, and unseeded sampled
+output (seeded requests keep a fixed k) follows the target's exact distribution (chi-square).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def test_adaptive_k_and_cache_only_steps_keep_greedy_output_exact(ray_cluster):
     # cache-only and not: all of them ran. (Which arm follows depends on measured timings, so is not asserted.)
     assert m["speculation"]["adaptive"] is True
     assert m["num_cache_only_steps"] >= 1 and m["num_proposals"] < m["num_steps"]
+    assert m["num_plain_steps"] >= 1  # steps that verified no drafts ran through vLLM's plain sampler
 
 
 def test_adaptive_k_keeps_sampling_exact(ray_cluster, small_vocab_pair):  # noqa: F811
@@ -60,3 +61,4 @@ def test_adaptive_k_keeps_sampling_exact(ray_cluster, small_vocab_pair):  # noqa
     assert chi2_pvalue([o.token_ids[1] for o in outs], p2) > 1e-4
     assert chi2_pvalue([o.token_ids[2] for o in outs], p3) > 1e-4
     assert m["num_proposals"] > 0  # drafts were asked for and verified
+    assert m["num_plain_steps"] > 0  # and steps without drafts sampled through vLLM's plain sampler
