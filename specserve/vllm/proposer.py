@@ -180,7 +180,7 @@ class RemoteDraftProposer:
 
         With a speculative config, vLLM's runner builds speculative metadata and samples through its
         rejection sampler on every step, drafts or none: on the demo pair at batch 8 that was ~6% of a
-        k = 0 step (a draft attached at k = 0 ran 0.95x the same target without one). The seam (vLLM
+        k = 0 step in a profile (the plain sampler takes 0.5%). The seam (vLLM
         0.32): ``_prepare_inputs`` takes the speculative branch when ``runner.speculative_config`` is set;
         without it, it returns no speculative metadata, and ``_sample`` then uses the plain sampler, whose
         one token per row the bookkeeping reads as it reads a rejection sampler's. Everything after it
