@@ -10,7 +10,8 @@ draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on eve
 - ``specserve d=Xms``: specserve with a vLLM target (``RemoteDraftProposer``) on the target node
   and a transformers draft on the draft node, all defaults (adaptive k <= K, ``draft_ahead``
   auto), an emulated one-way link delay of X ms.
-- ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off (both at 0 ms);
+- ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off; ``specserve eager draft``:
+  the draft's forward not compiled (``draft_compile=False``) (all three at 0 ms);
   ``specserve target-only``: specserve's engine loop over the same vLLM target, no draft (what the
   loop itself costs against vLLM's own ``generate``).
 
@@ -207,6 +208,7 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
     if not args.quick:
         out[f"specserve k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options)
         out["specserve no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options)
+        out["specserve eager draft"] = lambda: SpecserveRunner(target, draft, {**common, "draft_compile": False}, options)
         out["specserve target-only"] = lambda: SpecserveRunner(target, draft, {"num_speculative_tokens": 0}, options)
     return out
 

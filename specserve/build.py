@@ -60,6 +60,8 @@ def _model_drafter(cfg: SpecserveConfig, own_process: bool):
 
         return build_head_drafter(cfg, fanout)
     backend = create_backend(d)
+    if _compile_policy(d, own_process):
+        backend.compile()
     return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
 
 
@@ -69,6 +71,14 @@ def _ngram_drafter(cfg: SpecserveConfig, own_process: bool):
 
 
 DRAFTERS = {"model": _model_drafter, "ngram": _ngram_drafter}
+
+
+def _compile_policy(d: DraftConfig, own_process: bool) -> bool:
+    """Compile an hf draft's forward: as configured; "auto" for a CPU draft in a process of its own,
+    where the draft's speed is the speculation cache's depth (an in-process draft starts at once)."""
+    if d.backend != "hf" or d.compile is False:
+        return False
+    return d.compile is True or (own_process and d.device == "cpu" and d.device_map is None)
 
 
 def _ahead_policy(cfg: SpecserveConfig, own_process: bool) -> bool | str:

@@ -162,7 +162,8 @@ class DraftService:
             entry["num_seqs"] += side.num_seqs if side is not None else 0
             entry["draft_ahead"], entry["draft_ahead_reason"] = self.ahead_by_conn.get(conn, (False, ""))
         return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs, "by_target": by_target,
-                "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s}
+                "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s,
+                "compiled": bool(getattr(getattr(self.drafter, "backend", None), "compiled", False))}
 
 
 def _widths(target: dict | None, draft: dict | None) -> tuple[int | None, str | None]:

@@ -16,6 +16,9 @@ torch.set_num_threads(1)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Drafts run eager here: compiling each test's draft (~15 s on these cores) would multiply the suite's
+# time, and a draft's speed never changes an output. tests/unit/test_draft_compile.py covers the compiled default.
+os.environ.setdefault("SPECSERVE_DRAFT_COMPILE", "false")
 
 WORDS = [f"w{i}" for i in range(60)]
 

@@ -1,0 +1,104 @@
+"""A compiled draft forward (``draft.compile``): the same logits as eager, no request waits for a
+compilation, eager when it cannot compile, and which drafts compile by default."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.backends.hf import HFBackend
+from specserve.build import _compile_policy
+from specserve.config import DraftConfig, SpecserveConfig
+
+HAS_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))  # inductor's CPU code needs one
+
+
+def _steps(backend: HFBackend) -> list[torch.Tensor]:
+    """Drafting's forward shapes (one logit row per sequence; branch trees) in a fixed order: prompts,
+    single tokens, trees, a freed row."""
+    out = []
+    for s in ("a", "b", "c"):
+        backend.add(s)
+    out.append(backend.forward(["a", "b", "c"], [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6]], [1, 1, 1]))
+    out.append(backend.forward(["a", "c"], [[12], [13]], [1, 1]))
+    for depth in range(3):
+        out.append(backend.forward_branches(["a", "b", "c"], [[20, 21, 22], [23], [24, 25]],
+                                            [[5, 4, 3], [2], [6, 6]], depth, 3))
+    backend.free("b")
+    backend.add("d")
+    out.append(backend.forward(["d"], [list(range(1, 30))], [1]))
+    out.append(backend.forward(["c", "d", "a"], [[30, 31], [32], [33, 34, 35]], [1, 1, 1]))
+    return out
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: torch.compile cannot build CPU code here")
+def test_compiled_forward_matches_eager(tiny_pair):
+    eager = HFBackend(tiny_pair["perturbed"], dtype="float32")
+    compiled = HFBackend(tiny_pair["perturbed"], dtype="float32")
+    assert compiled.compile() is True and compiled.compiled
+    assert compiled.num_seqs == 0  # the warm-up's scratch sequences are gone
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    want, got = _steps(eager), _steps(compiled)
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        assert w.shape == g.shape
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    # The warm-up covered every shape above: nothing compiled while "serving".
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+
+
+def test_compile_failure_keeps_eager(tiny_pair, monkeypatch, caplog):
+    backend = HFBackend(tiny_pair["perturbed"], dtype="float32")
+    model = backend.model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level(logging.WARNING, logger="specserve.backends.hf"):
+        assert backend.compile() is False
+    assert backend.model is model and not backend.compiled
+    assert "not compiled, running eager: RuntimeError: no C++ compiler found" in caplog.text
+    backend.add("s")
+    assert backend.forward(["s"], [[1, 2, 3]], [1]).shape == (1, 1, 64)
+
+
+def test_compile_policy_and_setting(monkeypatch):
+    def draft(**kw):
+        return DraftConfig(model="some/draft", **kw)
+
+    assert _compile_policy(draft(compile="auto"), own_process=True)  # a CPU draft in its own process
+    assert not _compile_policy(draft(compile="auto"), own_process=False)  # in the target's process: starts at once
+    assert not _compile_policy(draft(compile="auto", device="cuda"), own_process=True)  # GPUs: only when asked
+    assert _compile_policy(draft(compile=True, device="cuda"), own_process=False)
+    assert not _compile_policy(draft(compile=False), own_process=True)
+    assert not _compile_policy(draft(compile=True, backend="sim"), own_process=True)  # hf drafts only
+    assert not _compile_policy(draft(compile="auto", device_map="auto"), own_process=True)
+
+    cfg = SpecserveConfig.load(target="some/target", draft="some/draft", draft_compile=False)
+    assert cfg.draft.compile is False
+    monkeypatch.setenv("SPECSERVE_DRAFT_COMPILE", "auto")
+    assert draft().compile == "auto"
+    monkeypatch.setenv("SPECSERVE_DRAFT_COMPILE", "0")
+    assert draft().compile is False
+    monkeypatch.setenv("SPECSERVE_DRAFT_COMPILE", "sometimes")
+    with pytest.raises(ValueError, match="SPECSERVE_DRAFT_COMPILE='sometimes': expected true, false or auto"):
+        draft()
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: torch.compile cannot build CPU code here")
+def test_compiled_draft_is_lossless(tiny_pair):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["w1 w2 w3", "w7 w7 w9 w10 w11", "w30"]
+    with LLM(tiny_pair["target"]) as ref:
+        want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], draft_compile=True, num_speculative_tokens=3) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm._engine.draft_service.metrics()["compiled"] is True
+        assert llm.metrics()["num_speculative_steps"] > 0
+    assert got == want
