@@ -127,8 +127,8 @@ class HFBackend:
         (no C++ compiler for a CPU build, an architecture dynamo cannot trace).
 
         A small model's forward is mostly per-call cost (transformers' wrappers, one dispatch per op):
-        the demo draft's on one CPU core went 0.72 -> 0.48 ms per branch depth at one sequence and
-        1.41 -> 1.12 ms at eight (benchmarks/README.md, "A compiled draft")."""
+        the demo draft's on one CPU core runs 1.1-1.5x faster per call compiled, most at one
+        sequence (benchmarks/bench_draft_forward.py)."""
         import torch._dynamo
 
         eager = self.model
