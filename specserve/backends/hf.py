@@ -133,11 +133,14 @@ class HFBackend:
 
         eager = self.model
         started = time.perf_counter()
-        # The warm-up's variants (one row or several, one token or several, one branch lane or several,
-        # rows that are a contiguous range or not) each compile once; a stray new one must not fall
-        # back to eager for good after dynamo's default limit of 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        logger.info("compiling the forward for drafting's shapes (torch.compile, once per start)")
         try:
+            # The warm-up's variants (one row or several, one token or several, one branch lane or several,
+            # rows that are a contiguous range or not) each compile once; a stray new one must not fall
+            # back to eager for good after dynamo's default limit of 8 (``cache_size_limit`` before torch 2.6).
+            config = torch._dynamo.config
+            limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, limit, max(getattr(config, limit), 64))
             self.model = torch.compile(eager, dynamic=True)
             self._warm_up()
         except Exception as exc:  # noqa: BLE001  (any failure to compile leaves the eager forward, which works)
