@@ -40,6 +40,10 @@ DTYPES = {
 CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0][:200]
+
+
 def resolve_dtype(dtype: str | torch.dtype):
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -145,9 +149,9 @@ class HFBackend:
             self._warm_up()
         except Exception as exc:  # noqa: BLE001  (any failure to compile leaves the eager forward, which works)
             self.model = eager
-            logger.warning("draft forward not compiled, running eager: %s: %s", type(exc).__name__, str(exc).splitlines()[0][:200])
+            logger.warning("draft forward not compiled, running eager: %s: %s", type(exc).__name__, _first_line(exc))
             return False
-        self.compiled = True
+        self._eager, self.compiled = eager, True
         logger.info("forward compiled (torch.compile, dynamic shapes) in %.1f s", time.perf_counter() - started)
         return True
 
@@ -305,16 +309,20 @@ class HFBackend:
         if self.capture_layers:
             extra["output_hidden_states"] = True
         kernels = sdpa_kernel(list(CUDA_SDPA_BACKENDS)) if dev.type == "cuda" and CUDA_SDPA_BACKENDS else contextlib.nullcontext()
+        inputs = dict(input_ids=torch.tensor(input_ids, device=dev), position_ids=torch.tensor(position_ids, device=dev),
+                      attention_mask=mask[:, None],  # [batch_size, 1, width, kv_len]
+                      past_key_values=self.cache, use_cache=True, logits_to_keep=keep, **extra)
         with kernels:
-            out = self.model(
-                input_ids=torch.tensor(input_ids, device=dev),
-                position_ids=torch.tensor(position_ids, device=dev),
-                attention_mask=mask[:, None],  # [batch_size, 1, width, kv_len]
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=keep,
-                **extra,
-            )
+            try:
+                out = self.model(**inputs)
+            except Exception as exc:
+                if not self.compiled:
+                    raise
+                # A shape the warm-up did not foresee failed to compile: eager from now on (it rewrites the
+                # same cache slots, so the call is simply made again).
+                logger.warning("compiled forward failed, running eager from now on: %s: %s", type(exc).__name__, _first_line(exc))
+                self.model, self.compiled = self._eager, False
+                out = self.model(**inputs)
         # HF's hidden_states[i] is the input of layer i (vLLM's aux layer id i); the last is the final, normed output.
         self.captured = (torch.cat([out.hidden_states[i] for i in self.capture_layers], dim=-1)
                          if self.capture_layers else None)

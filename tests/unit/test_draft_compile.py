@@ -68,6 +68,26 @@ def test_compile_failure_keeps_eager(tiny_pair, monkeypatch, caplog):
     assert backend.forward(["s"], [[1, 2, 3]], [1]).shape == (1, 1, 64)
 
 
+def test_compiled_forward_that_fails_turns_eager(tiny_pair, caplog):
+    """A shape the warm-up did not foresee that fails to compile costs that call nothing but the retry."""
+    backend, reference = HFBackend(tiny_pair["perturbed"], dtype="float32"), HFBackend(tiny_pair["perturbed"], dtype="float32")
+    eager = backend.model
+    backend._eager, backend.compiled = eager, True  # the state compile() leaves, without paying for a compilation
+
+    def broken(**kwargs):
+        raise RuntimeError("InductorError: a shape it cannot lower")
+
+    backend.model = broken
+    for b in (backend, reference):
+        b.add("s")
+    with caplog.at_level(logging.WARNING, logger="specserve.backends.hf"):
+        got = backend.forward(["s"], [[5, 9, 11]], [1])
+    assert backend.model is eager and not backend.compiled
+    assert "compiled forward failed, running eager from now on: RuntimeError: InductorError" in caplog.text
+    torch.testing.assert_close(got, reference.forward(["s"], [[5, 9, 11]], [1]))
+    assert backend.num_cached("s") == 3
+
+
 def test_compile_policy_and_setting(monkeypatch):
     def draft(**kw):
         return DraftConfig(model="some/draft", **kw)
