@@ -48,14 +48,12 @@ def _dict_arg(value: str) -> dict:
 
 
 def _bool_or_auto(value: str):
-    low = value.lower()
-    if low in ("true", "yes", "1"):
-        return True
-    if low in ("false", "no", "0"):
-        return False
-    if low == "auto":
-        return "auto"
-    raise argparse.ArgumentTypeError(f"expected true, false or auto, got {value!r}")
+    from .config import bool_or_auto
+
+    parsed = bool_or_auto(value)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {value!r}")
+    return parsed
 
 
 def _optional(convert):

@@ -24,16 +24,23 @@ DEMO_ALIASES = ("demo:target", "demo:draft", "demo:eagle")  # the pair (and the 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
 
+def bool_or_auto(value: str) -> bool | str | None:
+    """A true/false/auto setting as the CLI and the environment spell it (true/yes/1, false/no/0, auto,
+    any case); None for anything else."""
+    low = value.lower()
+    if low in ("true", "yes", "1"):
+        return True
+    if low in ("false", "no", "0"):
+        return False
+    return "auto" if low == "auto" else None
+
+
 def _env_switch(name: str, default: str) -> bool | str:
     """A true/false/auto setting from the environment (``default`` when unset)."""
-    value = (os.environ.get(name) or default).strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value == "auto":
-        return "auto"
-    raise ValueError(f"{name}={os.environ.get(name)!r}: expected true, false or auto")
+    value = bool_or_auto((os.environ.get(name) or default).strip())
+    if value is None:
+        raise ValueError(f"{name}={os.environ.get(name)!r}: expected true, false or auto")
+    return value
 
 
 def resolve_model(model: str) -> str:
