@@ -277,7 +277,12 @@ def cmd_config(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # (reads defaults, some from the environment: SPECSERVE_DRAFT_COMPILE, ...)
+    except ValueError as exc:
+        print(f"specserve: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "demo":

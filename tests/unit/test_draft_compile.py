@@ -12,6 +12,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.backends.hf import HFBackend
 from specserve.build import _compile_policy
+from specserve.cli import main
 from specserve.config import DraftConfig, SpecserveConfig
 
 HAS_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))  # inductor's CPU code needs one
@@ -88,7 +89,7 @@ def test_compiled_forward_that_fails_turns_eager(tiny_pair, caplog):
     assert backend.num_cached("s") == 3
 
 
-def test_compile_policy_and_setting(monkeypatch):
+def test_compile_policy_and_setting(monkeypatch, capsys):
     def draft(**kw):
         return DraftConfig(model="some/draft", **kw)
 
@@ -109,6 +110,9 @@ def test_compile_policy_and_setting(monkeypatch):
     monkeypatch.setenv("SPECSERVE_DRAFT_COMPILE", "sometimes")
     with pytest.raises(ValueError, match="SPECSERVE_DRAFT_COMPILE='sometimes': expected true, false or auto"):
         draft()
+    # The CLI reads that default while it builds its flags: a clear error, not a traceback.
+    assert main(["config", "--target", "some/target", "--draft", "some/draft"]) == 2
+    assert "specserve: error: SPECSERVE_DRAFT_COMPILE='sometimes': expected true, false or auto" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: torch.compile cannot build CPU code here")
