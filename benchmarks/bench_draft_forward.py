@@ -6,9 +6,11 @@ runs ``HFBackend.compile`` first (its warm-up compiles every shape below). Each 
 ``--repeats`` times in turn, eager then compiled, and the table shows medians and the ratio:
 prompts (a new sequence's feed), one token per sequence (the glue and drafting a miss), and branch
 trees (one depth of the speculation cache, sequences x lanes rows). One torch thread, pinned to the
-current affinity, as the draft runs in the two-device harness.
+current affinity, as the draft runs in the two-device harness. A draft head (EAGLE, MTP) loads as its
+drafter does (``HeadBackend``, beside ``--target``) and gets zero rows in place of the target's.
 
     taskset -c 1 python -m benchmarks.bench_draft_forward                  # the demo draft
+    taskset -c 1 python -m benchmarks.bench_draft_forward --model demo:eagle   # the demo target's EAGLE-3 head
     taskset -c 1 python -m benchmarks.bench_draft_forward --model path/to/draft --out results/x
 """
 
@@ -19,6 +21,8 @@ import json
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 SHAPES = [  # (label, batch, kind, width or lanes)
     ("prompt, 40 tokens", 1, "feed", 40),
@@ -36,27 +40,40 @@ CONTEXT = 48  # tokens each sequence holds before a timed call
 def _call(backend, ids: list[str], kind: str, width: int):
     for s in ids:  # every call starts from the same cached length (a feed commits its tokens)
         backend.truncate(s, CONTEXT)
+    rows = backend._scratch_rows([width] * len(ids))  # (a head's input rows; None for a causal LM)
     if kind == "feed":
-        return backend.forward(ids, [[1] * width] * len(ids), [1] * len(ids))
-    return backend.forward_branches(ids, [[1] * width] * len(ids), [[CONTEXT] * width] * len(ids), 0, width)
+        return backend.forward(ids, [[1] * width] * len(ids), [1] * len(ids), hidden=rows)
+    return backend.forward_branches(ids, [[1] * width] * len(ids), [[CONTEXT] * width] * len(ids), 0, width,
+                                    hidden=None if rows is None else torch.stack(rows))
+
+
+def _loader(model: str, target: str):
+    """Builds a fresh backend for ``model`` as its drafter would: ``HFBackend``, or a head's ``HeadBackend``."""
+    from specserve.backends.hf import HFBackend
+    from specserve.eagle import head_spec, load_head, target_info
+    from specserve.head_drafter import HeadBackend
+    from specserve.models import load_config
+
+    if head_spec(model) is None:
+        return lambda: HFBackend(model, dtype="float32")
+    layers = target_info(load_config(target, False))["num_hidden_layers"]
+    return lambda: HeadBackend(load_head(model, target, layers))
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo:draft", help="draft model directory [demo:draft]")
+    p.add_argument("--model", default="demo:draft", help="draft model directory, or a draft head's [demo:draft]")
+    p.add_argument("--target", default="demo:target", help="a draft head's target (its shared tensors) [demo:target]")
     p.add_argument("--repeats", type=int, default=200, help="timed calls per shape and backend [200]")
     p.add_argument("--out", default="benchmarks/results/draft_forward", help="directory for tables.md, results.json, plot")
     args = p.parse_args(argv)
 
-    import torch
-
-    from specserve.backends.hf import HFBackend
     from specserve.config import resolve_model
 
     torch.set_num_threads(1)
     model = resolve_model(args.model)
-    eager = HFBackend(model, dtype="float32")
-    compiled = HFBackend(model, dtype="float32")
+    load = _loader(model, resolve_model(args.target))
+    eager, compiled = load(), load()
     started = time.perf_counter()
     if not compiled.compile():
         raise SystemExit("the model did not compile here (see the warning above): nothing to compare")
@@ -67,7 +84,7 @@ def main(argv=None) -> dict:
         for backend in (eager, compiled):
             for s in ids:
                 backend.add(s)
-                backend.forward([s], [list(range(1, CONTEXT + 1))], [1])
+                backend.forward([s], [list(range(1, CONTEXT + 1))], [1], hidden=backend._scratch_rows([CONTEXT]))
         for label, batch, kind, width in SHAPES:
             times = {"eager": [], "compiled": []}
             for _ in range(args.repeats):

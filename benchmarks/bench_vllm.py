@@ -191,6 +191,7 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
                 target, draft, {**common, "channel_delay_ms": delay}, options, own_engine=True)
         out[f"specserve head k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options, own_engine=True)
         out["specserve head no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options, own_engine=True)
+        out["specserve head eager"] = lambda: SpecserveRunner(target, draft, {**common, "draft_compile": False}, options, own_engine=True)
         out["specserve vllm target + head"] = lambda: SpecserveRunner(target, draft, common, options)  # vLLM's runner feeds the head
         # EAGLE-3's fc on the target (head_fc): a third of the bytes on the link, a 3H x H product per row on the target
         out["specserve head fc-on-target"] = lambda: SpecserveRunner(target, draft, {**common, "head_fc": "target"}, options,
@@ -375,6 +376,11 @@ def main(argv=None) -> dict:
             pairs[name] = (str(pair / "target"), str(pair / "draft"))
         else:
             p.error(f"unknown pair {name!r}: demo, realistic or demo-eagle")
+    if args.systems:  # a misspelt name would otherwise run nothing for it, silently
+        known = {"specserve niceness 15"}.union(*(systems(args, *pair, head=name.endswith("eagle")) for name, pair in pairs.items()))
+        unknown = [x for x in args.systems if x not in known]
+        if unknown:
+            p.error(f"unknown system(s) {unknown} for pairs {list(pairs)}: choose from {sorted(known)}")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.time()
     records = []

@@ -58,11 +58,13 @@ def _model_drafter(cfg: SpecserveConfig, own_process: bool):
     if d.backend == "hf" and head_spec(d.model) is not None:  # an EAGLE head: reads the target's hidden states
         from .head_drafter import build_head_drafter
 
-        return build_head_drafter(cfg, fanout)
-    backend = create_backend(d)
+        drafter = build_head_drafter(cfg, fanout)
+    else:
+        drafter = ModelDrafter(create_backend(d), spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt,
+                               **d.drafter_options)
     if _compile_policy(d, own_process):
-        backend.compile()
-    return ModelDrafter(backend, spec.draft_probs, fanout, spec.max_branches, spec.draft_ahead_preempt, **d.drafter_options)
+        drafter.backend.compile()
+    return drafter
 
 
 def _ngram_drafter(cfg: SpecserveConfig, own_process: bool):

@@ -94,7 +94,7 @@ class DraftConfig(SideConfig):
     drafter_options: dict[str, Any] = Field(default_factory=dict, description="Drafter options, e.g. {ngram_min: 1, ngram_max: 4}.")
     compile: bool | Literal["auto"] = Field(
         default_factory=lambda: _env_switch("SPECSERVE_DRAFT_COMPILE", "auto"),
-        description="hf drafts: run the draft's forward through torch.compile, compiled for the drafting shapes when the draft "
+        description="hf drafts (EAGLE / MTP heads too): run the draft's forward through torch.compile, compiled for the drafting shapes when the draft "
                     "starts (~15-60 s on one CPU core; a small model's forward on CPU 1.1-1.5x faster per call); auto: a CPU draft in a "
                     "process of its own (a Ray actor, a Serve replica, `specserve draft`); a draft that cannot compile runs "
                     "eager (env SPECSERVE_DRAFT_COMPILE sets the default).")

@@ -36,6 +36,9 @@ class HeadBackend(HFBackend):
     def __init__(self, head, max_model_len: int | None = None):
         self._adopt(head, head.spec.vocab_size, model_max_len(head.config), max_model_len)
 
+    def _scratch_rows(self, counts: list[int]) -> list[torch.Tensor]:
+        return [torch.zeros(n, self.model.config.hidden_size, dtype=self.dtype, device=self.device) for n in counts]
+
 
 class HeadDrafter(ModelDrafter):
     """``ModelDrafter``'s block protocol and speculation cache around an EAGLE head.

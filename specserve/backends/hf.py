@@ -166,13 +166,21 @@ class HFBackend:
             for group in (ids[:1], ids[1:2], ids[:2], [ids[0], ids[2]]):
                 n = len(group)
                 for widths in ([1] * n, [2] * n, [2 + i for i in range(n)]):
-                    self.forward(group, [[1] * w for w in widths], [1] * n)
+                    rows = self._scratch_rows(widths)
+                    self.forward(group, [[1] * w for w in widths], [1] * n, hidden=None if rows is None else list(rows))
                 for lanes in (1, 3):
+                    rows = self._scratch_rows([lanes] * n)
                     for depth in (0, 1):
-                        self.forward_branches(group, [[1] * lanes] * n, [[2] * lanes] * n, depth, lanes)
+                        self.forward_branches(group, [[1] * lanes] * n, [[2] * lanes] * n, depth, lanes,
+                                              hidden=None if rows is None else torch.stack(rows))
         finally:
             for s in ids:
                 self.free(s)
+
+    def _scratch_rows(self, counts: list[int]) -> list[torch.Tensor] | None:
+        """The warm-up's input rows beside its tokens, ``counts[i]`` for sequence i: none for a causal LM
+        (a draft head reads rows, ``HeadBackend``)."""
+        return None
 
     # -- sequence bookkeeping -------------------------------------------------------------
     def add(self, seq_id: str) -> None:

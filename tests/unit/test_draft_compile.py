@@ -11,29 +11,49 @@ import torch
 
 from specserve import LLM, SamplingParams
 from specserve.backends.hf import HFBackend
-from specserve.build import _compile_policy
+from specserve.build import _compile_policy, _model_drafter
 from specserve.cli import main
 from specserve.config import DraftConfig, SpecserveConfig
+from specserve.eagle import load_head
+from specserve.head_drafter import HeadBackend
+
+from ..conftest import make_model
+from ..heads import make_eagle3_head
 
 HAS_CXX = any(shutil.which(c) for c in ("g++", "c++", "clang++"))  # inductor's CPU code needs one
 
 
-def _steps(backend: HFBackend) -> list[torch.Tensor]:
+def _steps(backend: HFBackend, width: int = 0) -> list[torch.Tensor]:
     """Drafting's forward shapes (one logit row per sequence; branch trees) in a fixed order: prompts,
-    single tokens, trees, a freed row."""
-    out = []
+    single tokens, trees, a freed row. ``width`` > 0: a draft head's, with seeded random input rows that wide."""
+    out, gen = [], torch.Generator().manual_seed(0)
+
+    def rows(*counts):
+        return [torch.randn(n, width, generator=gen) for n in counts] if width else None
+
+    def lanes(n, k):
+        return torch.randn(n, k, width, generator=gen) if width else None
+
     for s in ("a", "b", "c"):
         backend.add(s)
-    out.append(backend.forward(["a", "b", "c"], [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6]], [1, 1, 1]))
-    out.append(backend.forward(["a", "c"], [[12], [13]], [1, 1]))
+    out.append(backend.forward(["a", "b", "c"], [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6]], [1, 1, 1], hidden=rows(4, 2, 5)))
+    out.append(backend.forward(["a", "c"], [[12], [13]], [1, 1], hidden=rows(1, 1)))
     for depth in range(3):
         out.append(backend.forward_branches(["a", "b", "c"], [[20, 21, 22], [23], [24, 25]],
-                                            [[5, 4, 3], [2], [6, 6]], depth, 3))
+                                            [[5, 4, 3], [2], [6, 6]], depth, 3, hidden=lanes(3, 3)))
     backend.free("b")
     backend.add("d")
-    out.append(backend.forward(["d"], [list(range(1, 30))], [1]))
-    out.append(backend.forward(["c", "d", "a"], [[30, 31], [32], [33, 34, 35]], [1, 1, 1]))
+    out.append(backend.forward(["d"], [list(range(1, 30))], [1], hidden=rows(29)))
+    out.append(backend.forward(["c", "d", "a"], [[30, 31], [32], [33, 34, 35]], [1, 1, 1], hidden=rows(2, 1, 3)))
     return out
+
+
+def _assert_same(want: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    assert len(want) == len(got)
+    for w, g in zip(want, got):
+        assert w.shape == g.shape
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: torch.compile cannot build CPU code here")
@@ -43,13 +63,33 @@ def test_compiled_forward_matches_eager(tiny_pair):
     assert compiled.compile() is True and compiled.compiled
     assert compiled.num_seqs == 0  # the warm-up's scratch sequences are gone
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    want, got = _steps(eager), _steps(compiled)
-    assert len(want) == len(got)
-    for w, g in zip(want, got):
-        assert w.shape == g.shape
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    _assert_same(_steps(eager), _steps(compiled))
     # The warm-up covered every shape above: nothing compiled while "serving".
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
+
+
+@pytest.fixture(scope="module")
+def head_pair(tmp_path_factory):
+    """A 4-layer target and an EAGLE-3 head for it over a reduced draft vocabulary (its d2t map in the forward)."""
+    root = tmp_path_factory.mktemp("compiled_head")
+    make_model(root / "target", seed=0, tokenizer=True, hidden=64, layers=4)
+    return str(root / "target"), make_eagle3_head(root / "head", str(root / "target"), layer_ids=[1, 2, 3], draft_vocab_size=32)
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: torch.compile cannot build CPU code here")
+def test_compiled_head_matches_eager(head_pair):
+    """An EAGLE head's forward reads the target's rows beside its tokens: the warm-up compiles those shapes too."""
+    target, head = head_pair
+
+    def load():
+        return HeadBackend(load_head(head, target, 4))
+
+    eager, compiled = load(), load()
+    assert compiled.compile() is True and compiled.num_seqs == 0
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    width = eager.model.config.hidden_size
+    _assert_same(_steps(eager, width), _steps(compiled, width))
+    assert compiled.last_hidden.shape == eager.last_hidden.shape  # the head's own rows, which its next step reads
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
 
 
@@ -126,3 +166,16 @@ def test_compiled_draft_is_lossless(tiny_pair):
         assert llm._engine.draft_service.metrics()["compiled"] is True
         assert llm.metrics()["num_speculative_steps"] > 0
     assert got == want
+
+
+def test_head_drafts_follow_the_compile_setting(head_pair, monkeypatch):
+    """A draft head is compiled as a draft model is (it used to stay eager whatever the setting): the
+    same policy, on the ``HeadBackend`` the drafter runs."""
+    target, head = head_pair
+    compiled = []
+    monkeypatch.setattr(HFBackend, "compile", lambda self: compiled.append(type(self).__name__) or True)
+    for setting, own_process, want in ((True, False, 1), ("auto", True, 1), ("auto", False, 0), (False, True, 0)):
+        compiled.clear()
+        drafter = _model_drafter(SpecserveConfig.load(target=target, draft=head, draft_compile=setting), own_process)
+        assert isinstance(drafter.backend, HeadBackend)
+        assert compiled == ["HeadBackend"] * want, (setting, own_process)
