@@ -143,6 +143,7 @@ class DraftSide:
         self._proposed: list[DraftSeq] = []  # sequences whose block prepare() continues
         self._behind: list[DraftSeq] = []  # sequences given tokens without a block: prepare() feeds them
         self._budget_s = 0.0  # the target's estimate of the time until its next request
+        self._recent_k = 0  # the k last asked: a new sequence's first block when its open comes with no ask
 
     def open(self, msg: OpenSeq) -> None:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
@@ -225,7 +226,9 @@ class DraftSide:
         # Asked-for sequences get drafted ahead, an empty block too (a cache-only miss): its next
         # verdict is the target's own next token, which the tree can foresee.
         self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids or s.num_asked]
-        self._proposed += self._first_blocks(req, asked, max(ks, default=0))
+        k = max(ks, default=0)
+        self._recent_k = k or self._recent_k
+        self._proposed += self._first_blocks(req, asked, k or self._recent_k)
         self._budget_s = req.budget_s
         step = self.drafter.step_time(max(1, len(seqs)))
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
@@ -234,10 +237,12 @@ class DraftSide:
         return ProposeReply(req.step, blocks, missing, stats, refused)
 
     def _first_blocks(self, req: ProposeRequest, asked: set[str], k: int) -> list[DraftSeq]:
-        """Sequences opened with no block asked (a prompt the target prefills in this step's verify):
-        drafted ahead from an empty block at their prompt's end, so the first token's verdict finds
-        their first block cached. Drafted when asked instead, it held up the whole batch for k forwards
-        (at batch 32 on the simulated Spark + 5090 a new request arrives nearly every step)."""
+        """Sequences opened with no block asked (a prompt the target prefills in this step's verify, or
+        whose first token a vLLM target just took from its prefill): drafted ahead from an empty block at
+        their prompt's end, so their first block is cached when the target asks. Drafted when asked
+        instead, it held up the whole batch for k forwards (at batch 32 on the simulated Spark + 5090 a
+        new request arrives nearly every step). ``k``: the step's, or with nothing asked (the open
+        pushed alone) the last k asked."""
         fresh = []
         for o in req.opens if k else ():
             s = self.seqs.get(o.request_id)

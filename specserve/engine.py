@@ -208,6 +208,7 @@ class EngineCore(RequestQueue):
         wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
                                    ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
                                     for rid, s in seqs.items()), cache=have_draft and self.pool.drafts_ahead)
+        fresh = False  # a new sequence asked no block: its open goes out in this step all the same
         for rid in admitted_ids if wants and not self.first_step_drafts else ():
             # A new sequence's first step goes without drafts, so neither its first token nor the
             # batch waits for the draft to prefill it (vLLM, too, takes the first token from the
@@ -215,7 +216,7 @@ class EngineCore(RequestQueue):
             # blocks: their draws follow block boundaries, and the same seed must give the same output.
             s = seqs.get(rid)
             if s is not None and (s.params.greedy or s.params.seed is None):
-                wants.pop(rid, None)
+                fresh = wants.pop(rid, None) is not None or fresh
         cache_only, arm = self.controller.cache_only, self.controller.arm
         if arm is not None and arm[0] and not wants:
             arm = None  # a speculating arm that asked nothing (no room left) measures nothing
@@ -226,8 +227,10 @@ class EngineCore(RequestQueue):
             blocks, fallback = outcome.blocks, outcome.fallback
         elif self.pool is not None and not have_draft and self.controller.max_k:
             fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only
-        elif have_draft and self.controller.push_due(batch):
-            self.pool.push(self.step_id)  # k = 0: the drafts hear the deltas unawaited and keep up
+        elif have_draft and (fresh or self.controller.push_due(batch)):
+            # k = 0: the drafts hear the deltas unawaited and keep up; a new prompt's draft prefills it and
+            # drafts its first block ahead (DraftSide._first_blocks) while this step's forward runs.
+            self.pool.push(self.step_id)
         forward_before, verify_start = self.target.forward_s, time.perf_counter()
         deltas, results, failed = self._verify(blocks, fallback, list(seqs))
         for rid in failed:

@@ -97,6 +97,10 @@ class RemoteDraftProposer:
         # proposes k): each row then gets exactly k, short blocks padded, k fixed (``_uniform``).
         self.uniform = _is_hybrid(vllm_config)
         self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)) and not self.uniform)
+        # A sequence whose prompt this step prefilled asks no block yet (speculation.first_step_drafts off): its
+        # open goes out now, and the draft prefills it and drafts its first block ahead while the target runs the
+        # next step, instead of the whole batch (and this first token's delivery) waiting for that here.
+        self.first_step_drafts = bool(opts.get("first_step_drafts", False))
         self._step_started: float | None = None  # when the runner began the step being verified
         self._last_end: float | None = None  # when the previous step's propose returned
         self._between: float | None = None  # vLLM's own time between that and this step's runner (None: an idle gap)
@@ -383,6 +387,8 @@ class RemoteDraftProposer:
         self.step_stats = {}
         req_ids = self.runner.input_batch.req_ids
         live, widest, prefill, decoded = {}, 0, False, 0  # request id -> (row, sequence); decode tokens this step
+        fresh = False  # a new sequence's block was not asked: its open must go out this step
+        opened = []  # sequences this step's prefill opened
         for i in range(n):  # per row only what cannot wait: the committed length, and last step's block's fate
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
@@ -398,6 +404,7 @@ class RemoteDraftProposer:
                 prefill = True
                 # .tolist(): the whole prompt travels in the OpenSeq.
                 seq = self._open(rid, token_ids_cpu[i, :length].tolist())
+                opened.append(rid)
             else:
                 decoded += 1 + (len(scheduled.get(rid, ())) if scheduled is not None else 0)
             if seq.verifying or seq.fallback:
@@ -427,11 +434,15 @@ class RemoteDraftProposer:
             wants = plan_draft_lengths(self.controller, len(live), have,
                                        ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
                                        cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
+            if wants and not self.first_step_drafts:
+                for rid in opened:  # (seeded sampled requests keep their blocks from the first step, as on specserve's engine)
+                    if not self.seqs[rid].seeded:
+                        fresh = wants.pop(rid, None) is not None or fresh
         arm = self.controller.arm if wants or not (self.controller.arm and self.controller.arm[0]) else None
         previous = self._asked[2] if self._asked is not None else None
         if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
             self._asked = None
-            if have and self.controller.push_due(len(live)):
+            if have and (fresh or self.controller.push_due(len(live))):
                 for rid, (i, seq) in live.items():
                     if rid in self.seqs:
                         self._tell(rid, seq, token_ids_cpu[i])

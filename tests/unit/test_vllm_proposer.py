@@ -61,11 +61,14 @@ class FakeDraft:
 class FakeModelRunner:
     """The parts of vLLM's GPUModelRunner the proposer reads."""
 
-    def __init__(self, draft: FakeDraft, max_tokens: int = 50, adaptive: bool = False):
+    def __init__(self, draft: FakeDraft, max_tokens: int = 50, adaptive: bool = False, first_step_drafts: bool = False,
+                 seeded: frozenset = frozenset()):
         key = links.park(DraftLink(lambda: {"fake": draft}, lambda name, d: d, "target-test", background=False))
         config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
                                  model_config=SimpleNamespace(max_model_len=MAX_LEN),
-                                 additional_config={"specserve": {"link": key, "vocab": VOCAB, "adaptive": adaptive}})
+                                 additional_config={"specserve": {"link": key, "vocab": VOCAB, "adaptive": adaptive,
+                                                                  "first_step_drafts": first_step_drafts}})
+        self.seeded = seeded  # requests sampled with their own seed
         self.input_batch = SimpleNamespace(req_ids=[])
         self.requests: dict = {}
         self.max_tokens = max_tokens
@@ -89,7 +92,8 @@ class FakeModelRunner:
         for i, (rid, new) in enumerate(rows.items()):
             state = self.requests.get(rid)
             if state is None:
-                params = SimpleNamespace(max_tokens=self.max_tokens)
+                params = SimpleNamespace(max_tokens=self.max_tokens, temperature=1.0 if rid in self.seeded else 0.0,
+                                         seed=7 if rid in self.seeded else None)
                 state = self.requests[rid] = SimpleNamespace(sampling_params=params, output_token_ids=[], all=[])
                 new_output = new[-1:]
             else:
@@ -109,30 +113,62 @@ class FakeModelRunner:
 def test_opens_results_closes_and_rows_by_request_id():
     draft = FakeDraft()
     runner = FakeModelRunner(draft)
-    # step 1: two prompts prefilled, one token each
+    # step 1: two prompts prefilled, one token each. Their opens go out at once, unawaited, and no block
+    # is asked for them yet: the draft prefills them while the target runs step 2.
     out = runner.step({"a": [1, 2, 3, 10], "b": [5, 6, 20]})
-    assert out == [[11, 12, 13], [21, 22, 23]]
-    req = draft.requests[-1]
+    assert out == [[], []]
+    (req,) = draft.requests
     assert [(o.request_id, o.token_ids, o.temperature) for o in req.opens] == [("a", [1, 2, 3, 10], 0.0), ("b", [5, 6, 20], 0.0)]
-    assert req.num_draft_tokens == [K, K]
-    # step 2, rows swapped: a accepted 2 drafts + recovered 99; b accepted all 3 + bonus 24
-    out = runner.step({"b": [21, 22, 23, 24], "a": [11, 12, 99]})
-    assert out == [[25, 26, 27], [100, 101, 102]]
+    assert req.request_ids == []
+    # step 2: one token each; now both ask
+    out = runner.step({"a": [11], "b": [21]})
+    assert out == [[12, 13, 14], [22, 23, 24]]
+    assert draft.requests[-1].num_draft_tokens == [K, K]
+    # step 3, rows swapped: a accepted 2 drafts + recovered 99; b accepted all 3 + bonus 25
+    out = runner.step({"b": [22, 23, 24, 25], "a": [12, 13, 99]})
+    assert out == [[26, 27, 28], [100, 101, 102]]
     results = {r.request_id: r for r in draft.requests[-1].results}
-    assert (results["a"].base_len, results["a"].num_accepted, results["a"].token_ids) == (4, 2, [11, 12, 99])
-    assert (results["b"].base_len, results["b"].num_accepted, results["b"].token_ids) == (3, 3, [21, 22, 23, 24])
+    assert (results["a"].base_len, results["a"].num_accepted, results["a"].token_ids) == (5, 2, [12, 13, 99])
+    assert (results["b"].base_len, results["b"].num_accepted, results["b"].token_ids) == (4, 3, [22, 23, 24, 25])
     assert runner.drafter.step_stats == {"a": (3, 2, False), "b": (3, 3, False)}
     # a finishes: the runner's hook closes it; the close rides on the next request
     runner.finish("a")
-    runner.step({"b": [25, 7]})
+    runner.step({"b": [26, 7]})
     assert [c.request_id for c in draft.requests[-1].closes] == ["a"]
-    assert draft.tokens["b"] == [5, 6, 20, 21, 22, 23, 24, 25, 7]  # the draft's copy matches the target's
+    assert draft.tokens["b"] == [5, 6, 20, 21, 22, 23, 24, 25, 26, 7]  # the draft's copy matches the target's
+
+
+def test_a_new_sequence_joins_a_speculating_batch_without_holding_it_up():
+    """The step that prefilled a prompt asks the running sequences' blocks only; the new one's open rides
+    along (the draft drafts its first block ahead, ``DraftSide._first_blocks``) and it asks from its next step."""
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft)
+    runner.step({"a": [1, 2, 3]})
+    assert runner.step({"a": [4]}) == [[5, 6, 7]]
+    out = runner.step({"a": [5, 6, 7, 8], "b": [9, 10]})  # b's prompt prefilled in this step
+    assert out == [[9, 10, 11], []]
+    req = draft.requests[-1]
+    assert req.request_ids == ["a"] and [o.request_id for o in req.opens] == ["b"]
+    assert runner.step({"a": [9, 10, 11, 12], "b": [30]}) == [[13, 14, 15], [31, 32, 33]]
+
+
+def test_first_step_drafts_and_seeded_requests_ask_from_the_prefill_step():
+    """``speculation.first_step_drafts`` asks a new sequence's block in its prefill step (as before); a seeded
+    sampled request always does (its draws follow block boundaries, as on specserve's own engine)."""
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft, first_step_drafts=True)
+    assert runner.step({"a": [1, 2, 3, 10]}) == [[11, 12, 13]]
+    draft = FakeDraft()
+    runner = FakeModelRunner(draft, seeded=frozenset({"s"}))
+    assert runner.step({"a": [1, 2, 3], "s": [5, 6]}) == [[], [7, 8, 9]]
+    assert draft.requests[-1].request_ids == ["s"]
 
 
 def test_drafts_never_exceed_max_tokens():
     draft = FakeDraft()
-    runner = FakeModelRunner(draft, max_tokens=3)
-    assert runner.step({"a": [1, 2, 3]}) == [[4]]  # 1 output token so far: room for 1 draft + the bonus token
+    runner = FakeModelRunner(draft, max_tokens=4)
+    runner.step({"a": [1, 2, 3]})
+    assert runner.step({"a": [4]}) == [[5]]  # 2 output tokens so far: room for 1 draft + the bonus token
 
 
 def test_a_failing_draft_means_empty_proposals():
