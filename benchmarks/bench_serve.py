@@ -145,9 +145,10 @@ def main(argv=None) -> int:
                f"vllm serve colocated k={args.k}": lambda: VLLMServer(target, draft, args.k, vllm_port, logs / "vllm-colocated.log"),
                "specserve serve": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False),
                "specserve serve vllm": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=True)}
-    if args.servers and "specserve serve first-step drafts" in args.servers:  # opt-in A/B: the first step waits for the draft
-        servers["specserve serve first-step drafts"] = lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False,
-                                                                               speculation={"first_step_drafts": True})
+    for vllm_target, name in ((False, "specserve serve first-step drafts"), (True, "specserve serve vllm first-step drafts")):
+        if args.servers and name in args.servers:  # opt-in A/B: a new sequence's first step waits for the draft's block
+            servers[name] = lambda vllm_target=vllm_target: SpecserveServer(target, draft, args.k, args.port, vllm_target=vllm_target,
+                                                                            speculation={"first_step_drafts": True})
     if args.servers:
         wanted = [s.strip() for s in args.servers.split(",")]
         unknown = [s for s in wanted if s not in servers]
