@@ -227,9 +227,9 @@ class DraftSide:
         # verdict is the target's own next token, which the tree can foresee.
         self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids or s.num_asked]
         k = max(ks, default=0)
-        self._recent_k = k or self._recent_k
+        if k:  # (a push asks nothing and sends no budget: its first blocks take the last ones)
+            self._recent_k, self._budget_s = k, req.budget_s
         self._proposed += self._first_blocks(req, asked, k or self._recent_k)
-        self._budget_s = req.budget_s
         step = self.drafter.step_time(max(1, len(seqs)))
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
         stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,

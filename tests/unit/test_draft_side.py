@@ -216,3 +216,26 @@ def test_a_prompt_opened_while_others_speculate_gets_its_first_block_drafted_ahe
     block = reply.blocks[0]
     assert block.cache_hit and block.base_len == prompt_len + 1
     assert block.draft_token_ids == greedy_drafts(model, prompt + [first], 3)
+
+
+def test_a_prompt_pushed_alone_gets_its_first_block_drafted_ahead_with_the_last_k(tiny_pair):
+    """A vLLM target takes a new prompt's first token from its prefill and pushes the open with nothing
+    asked (a batch of one asks nothing that step): the draft drafts its next block ahead all the same,
+    with the k and budget it was last asked for, so the target's next ask is a hit."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["perturbed"], dtype=torch.float64).eval()
+    side = DraftSide(ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2))
+    pushed = ProposeRequest(1, opens=[OpenSeq("early", [4, 5, 6])])  # before any ask: no k known, nothing ahead
+    side.handle(pushed)
+    side.prepare()
+    assert side.seqs["early"].block == [] and side.seqs["early"].num_fed == 2  # only fed (all but the last token)
+    side.handle(ProposeRequest(2, opens=[OpenSeq("old", [1, 2, 3])], request_ids=["old"], num_draft_tokens=[3], budget_s=5.0))
+    side.prepare()
+    prompt = [9, 10, 11, 12, 13]
+    side.handle(ProposeRequest(3, opens=[OpenSeq("new", prompt)], closes=[]))  # the open pushed alone
+    side.prepare()
+    nxt = greedy_drafts(model, prompt, 1)[0]  # the target's next token (here the draft's own guess)
+    reply = side.handle(ProposeRequest(4, results=[VerifyResult("new", len(prompt), 0, [nxt])], request_ids=["new"],
+                                       num_draft_tokens=[3]))
+    block = reply.blocks[0]
+    assert block.cache_hit and block.base_len == len(prompt) + 1
+    assert block.draft_token_ids == greedy_drafts(model, prompt + [nxt], 3)
