@@ -166,8 +166,7 @@ class HFBackend:
             for group in (ids[:1], ids[1:2], ids[:2], [ids[0], ids[2]]):
                 n = len(group)
                 for widths in ([1] * n, [2] * n, [2 + i for i in range(n)]):
-                    rows = self._scratch_rows(widths)
-                    self.forward(group, [[1] * w for w in widths], [1] * n, hidden=None if rows is None else list(rows))
+                    self.forward(group, [[1] * w for w in widths], [1] * n, hidden=self._scratch_rows(widths))
                 for lanes in (1, 3):
                     rows = self._scratch_rows([lanes] * n)
                     for depth in (0, 1):
