@@ -12,7 +12,10 @@ servers and the client on the target's cores, specserve's draft node on the othe
 one OpenMP thread), ``--shared-cores`` for every process on every core. Per server and concurrency
 the client sends ``--num-prompts`` random prompts of ``--input-len`` tokens for ``--output-len``
 tokens (``ignore_eos``), greedy, and reports completed/failed requests, output tok/s, median TTFT
-and TPOT. Prints a table, writes ``--out``/serve.{md,json} and a plot.
+and TPOT, and, in the harness, where the target's core went during the client's main run: each
+role's share of it (the models, the HTTP layer, the client, Ray's and Serve's own processes;
+``cpu_share``) and how busy the draft's core was. Prints a table, writes ``--out``/serve.{md,json}
+and a plot.
 
     python -m benchmarks.bench_serve [--concurrency 1,8,32] [--num-prompts 32] [--shared-cores]
 """
@@ -25,9 +28,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from . import cpu_share
 from .bench_cluster import THREAD_ENV, local_cluster
 
 VLLM_OPTIONS = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
@@ -98,7 +103,9 @@ class SpecserveServer:
         serve.delete("bench-serve")
 
 
-def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path) -> dict:
+def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path, cores: tuple | None = None) -> dict:
+    """One level: the client's summary, and (``cores``: the target's and the draft's core sets) each
+    role's share of those cores over the run (``cpu_share``)."""
     name = f"c{concurrency}.json"
     cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions",
            "--model", "bench", "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -106,13 +113,31 @@ def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path)
            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--ready-check-timeout-sec", "0",
            "--num-warmups", str(min(concurrency, 4))]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, **THREAD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    if run.returncode != 0:
-        raise RuntimeError(f"vllm bench serve failed against {base}: {(run.stdout + run.stderr)[-1500:]}")
+    # The CPU table covers the main run only, from the client's own marks (its start-up and warm-up are not load).
+    client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **THREAD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"})
+    lines, marks = [], []
+    timer = threading.Timer(1800, client.kill)
+    timer.start()
+    try:
+        for line in client.stdout:
+            lines.append(line)
+            if line.startswith("Starting main benchmark run") or "Serving Benchmark Result" in line:
+                marks.append((cpu_share.snapshot(), time.perf_counter()))
+        client.wait()
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    if client.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed against {base}: {output[-1500:]}")
     r = json.loads((out_dir / name).read_text())
-    return {"completed": r["completed"], "failed": r.get("failed", 0), "output_tok_s": r["output_throughput"],
-            "median_ttft_ms": r["median_ttft_ms"], "median_tpot_ms": r["median_tpot_ms"], "request_s": r["request_throughput"]}
+    row = {"completed": r["completed"], "failed": r.get("failed", 0), "output_tok_s": r["output_throughput"],
+           "median_ttft_ms": r["median_ttft_ms"], "median_tpot_ms": r["median_tpot_ms"], "request_s": r["request_throughput"]}
+    if cores is not None and len(marks) == 2:
+        (before, start), (after, end) = marks
+        for key, where in zip(("target_cores_cpu", "draft_cores_cpu"), cores):
+            row[key] = cpu_share.shares(before, after, end - start, where, client.pid)
+    return row
 
 
 def main(argv=None) -> int:
@@ -169,6 +194,7 @@ def main(argv=None) -> int:
                  f"two-device harness: target, vLLM's servers and the client on cores {sorted(cluster.target_cpus)}, "
                  f"specserve's draft on {sorted(cluster.draft_cpus)}")
         print(where, flush=True)
+        cores = None if cluster.target_cpus is None else (set(cluster.target_cpus), set(cluster.draft_cpus))
         start_serve("127.0.0.1", args.port, logging_config={"log_level": "WARNING"})
         where += f"; HTTP to specserve through {'the router replica (direct ingress)' if args.ingress == 'direct' else 'Serve proxy'}"
         for name, start in servers.items():
@@ -177,7 +203,7 @@ def main(argv=None) -> int:
             try:
                 with tempfile.TemporaryDirectory() as tmp:
                     for c in levels:
-                        r = run_client(server.base, target, c, args, Path(tmp))
+                        r = run_client(server.base, target, c, args, Path(tmp), cores)
                         rows.append({"server": name, "concurrency": c, **r})
                         print(f"{name:32s} c={c:<3d} {r['output_tok_s']:8.1f} tok/s  TTFT {r['median_ttft_ms']:7.1f} ms  "
                               f"TPOT {r['median_tpot_ms']:6.2f} ms  failed {r['failed']}", flush=True)
@@ -186,20 +212,28 @@ def main(argv=None) -> int:
         serve.shutdown()
     lines = [f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
              f"greedy, ignore_eos); {where}; one run", "",
-             "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms | "
+             "target's cores, % of one: model / http / client / ray/serve / other | draft's cores busy % |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in rows:
         best = max((x["output_tok_s"] for x in rows if x["concurrency"] == r["concurrency"] and x["server"].startswith("vllm")),
                    default=None)
         ratio = f"{r['output_tok_s'] / best:.2f}x" if best else "-"
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['completed']} / {r['failed']} | {r['output_tok_s']:.1f} | {ratio} | "
-                     f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} |")
+                     f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {_cpu(r.get('target_cores_cpu'))} | "
+                     f"{_cpu(r.get('draft_cores_cpu'), total=True)} |")
     print("\n".join(lines))
     (out / "serve.md").write_text("\n".join(lines) + "\n")
     (out / "serve.json").write_text(json.dumps({"args": vars(args), "where": where, "rows": rows}, indent=1))
     _plot(rows, levels, out / "serve.png")
     print(f"wrote {out / 'serve.md'}, {out / 'serve.json'}, {out / 'serve.png'}")
     return 0
+
+
+def _cpu(share: dict | None, total: bool = False) -> str:
+    if share is None:
+        return "-"
+    return f"{100 * sum(share.values()):.0f}" if total else cpu_share.describe(share)
 
 
 def _plot(rows: list[dict], levels: list[int], path: Path) -> None:
