@@ -36,10 +36,11 @@ def role(title: str) -> str:
     return "other"
 
 
-def snapshot() -> dict[int, tuple[str, float, frozenset[int]]]:
-    """pid -> (title, CPU seconds so far (user + system), the cores it may run on)."""
+def snapshot() -> dict[tuple[int, float], tuple[str, float, frozenset[int]]]:
+    """(pid, start time) -> (title, CPU seconds so far (user + system), the cores it may run on).
+    (A Ray worker's title changes with the task it runs, so a process is known by pid and start time.)"""
     out = {}
-    for p in psutil.process_iter(["cmdline", "name"]):
+    for p in psutil.process_iter(["cmdline", "name", "create_time"]):
         try:
             with p.oneshot():
                 times = p.cpu_times()
@@ -47,7 +48,7 @@ def snapshot() -> dict[int, tuple[str, float, frozenset[int]]]:
             title = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
         except (psutil.Error, OSError):  # gone, or not ours to read
             continue
-        out[p.pid] = (title[:200], times.user + times.system, cores)
+        out[(p.pid, p.info["create_time"])] = (title[:200], times.user + times.system, cores)
     return out
 
 
@@ -55,11 +56,11 @@ def shares(before: dict, after: dict, wall_s: float, cores: set[int], client_pid
     """Per role, the share of one core its processes used over ``wall_s`` on ``cores`` (processes
     pinned within them; 1.0 = one core busy the whole run). Processes born during the run count from zero."""
     out = dict.fromkeys(ROLES, 0.0)
-    for pid, (title, cpu, allowed) in after.items():
+    for key, (title, cpu, allowed) in after.items():
         if not allowed or not allowed <= cores:
             continue
-        used = cpu - (before[pid][1] if pid in before and before[pid][0] == title else 0.0)
-        out["client" if pid == client_pid else role(title)] += max(0.0, used) / wall_s
+        used = cpu - (before[key][1] if key in before else 0.0)
+        out["client" if key[0] == client_pid else role(title)] += max(0.0, used) / wall_s
     return out
 
 

@@ -37,7 +37,8 @@ def test_a_run_counts_each_process_once_in_its_role_and_only_on_its_cores():
             p.kill()
             p.wait()
     client, other = procs
-    assert {client.pid, other.pid} <= set(after) and client.pid not in before  # born during the run: counted from zero
+    pids = {pid for pid, _ in after}
+    assert {client.pid, other.pid} <= pids and client.pid not in {pid for pid, _ in before}  # born during the run: from zero
     seconds = cpu_share.shares(before, after, 1.0, cores, client_pid=client.pid)  # wall 1 s: shares are seconds
     assert set(seconds) == set(cpu_share.ROLES)
     assert 0.25 <= seconds["client"] < 1.0  # its own 0.3 s (read in clock ticks), plus its start-up, and nobody else's
@@ -45,3 +46,14 @@ def test_a_run_counts_each_process_once_in_its_role_and_only_on_its_cores():
     elsewhere = cpu_share.shares(before, after, 1.0, {max(cores) + 1})  # a core set none of them may use
     assert sum(elsewhere.values()) == 0.0
     assert cpu_share.describe({"client": 0.3, "model": 0.514}) == "model 51 / http 0 / client 30 / ray/serve 0 / other 0"
+
+
+def test_a_worker_whose_title_changes_counts_only_its_time_in_the_run():
+    # A Ray worker is "ray::IDLE" until it hosts an actor, then "ray::Class.method" while one runs: the
+    # same process, counted from its earlier reading, under the role of its title at the end.
+    before = {(10, 1.0): ("ray::IDLE", 5.0, frozenset({0})), (11, 1.0): ("ray::ServeController", 9.0, frozenset({0}))}
+    after = {(10, 1.0): ("ray::ServeReplica:app:Target", 5.5, frozenset({0})),
+             (11, 1.0): ("ray::ServeController.listen_for_change", 9.25, frozenset({0})),
+             (11, 2.0): ("ray::IDLE", 0.5, frozenset({0}))}  # pid 11 reused by a new process: counted from zero
+    seconds = cpu_share.shares(before, after, 1.0, {0})
+    assert seconds["model"] == 0.5 and seconds["ray/serve"] == 0.75 and seconds["other"] == 0.0
