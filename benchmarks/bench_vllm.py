@@ -4,7 +4,11 @@ Every system of a pair is loaded once on one local two-node Ray cluster whose no
 to disjoint core sets (``bench_cluster.local_cluster``: the target node is the "DGX Spark", the
 draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on every core):
 
-- ``vllm target-only``: ``vllm.LLM`` in an actor on the target node.
+- ``vllm target-only``: ``vllm.LLM`` in an actor on the target node, its engine in the actor's own
+  process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as specserve's vLLM target runs it): on one core per
+  device vLLM's default, an engine-core process beside the caller, ran 1.3-1.5x slower here (each
+  step's inputs and outputs cross processes that share the core). ``--vllm-multiprocessing`` is that
+  default, for comparison.
 - ``vllm colocated k=K``: the same with vLLM's ``draft_model`` speculation: the draft shares the
   target's cores, as it would speculating on the big box alone (the peer to beat).
 - ``specserve d=Xms``: specserve with a vLLM target (``RemoteDraftProposer``) on the target node
@@ -57,7 +61,11 @@ SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vll
 class PlainVLLM:
     """A ``vllm.LLM`` in an actor; ``run`` returns token ids, wall time, engine steps and spec-decode counts."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, multiprocessing: bool = False, **kwargs):
+        import os
+
+        # In this process, as specserve's vLLM target (``specserve.vllm.options``), unless asked otherwise.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
         from vllm import LLM
 
         from specserve.distributed.workers import normal_priority
@@ -181,8 +189,9 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
     options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
     plain = {"model": target, "dtype": "float32", "seed": 0, "disable_log_stats": False, **options}
     k = args.k
-    out = {"vllm target-only": lambda: VLLMRunner(plain),
-           f"vllm colocated k={k}": lambda: VLLMRunner({**plain, "speculative_config": {
+    mp = {"multiprocessing": args.vllm_multiprocessing}
+    out = {"vllm target-only": lambda: VLLMRunner({**plain, **mp}),
+           f"vllm colocated k={k}": lambda: VLLMRunner({**plain, **mp, "speculative_config": {
                "method": "eagle3" if head else "draft_model", "model": draft, "num_speculative_tokens": k}})}
     common = {"num_speculative_tokens": k, "draft_min_timeout_s": 5.0}
     if head:
@@ -346,6 +355,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row; the table shows the median [3; quick: 1]")
     p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (default: eager, fast starts)")
     p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
+    p.add_argument("--vllm-multiprocessing", action="store_true",
+                   help="vLLM's own systems with vLLM's default engine-core process (default: in the actor's process, as specserve's target)")
     p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
                    help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
     p.add_argument("--systems", default=None, help="only these systems, comma-separated names as the table shows them")
@@ -394,7 +405,8 @@ def main(argv=None) -> dict:
             f"(target cores {cores['target']}, draft cores {cores['draft']}); greedy, k<={args.k}, "
             f"{args.load} load: " + (f"B requests in flight over max({args.num_prompts}, 3 B) prompts" if args.load == "sustained"
                                      else f"waves of B over max(B, {args.num_prompts}) prompts")
-            + f" x {args.max_tokens} tokens, medians of {args.repeats}\n\n"
+            + f" x {args.max_tokens} tokens, medians of {args.repeats}; vLLM's own systems "
+            + ("with vLLM's engine-core process" if args.vllm_multiprocessing else "in their actor's process") + "\n\n"
             + table(rows))
     print(text)
     (out / "tables.md").write_text(text + "\n")
