@@ -6,7 +6,7 @@ draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on eve
 
 - ``vllm target-only``: ``vllm.LLM`` in an actor on the target node, its engine in the actor's own
   process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as specserve's vLLM target runs it): on one core per
-  device vLLM's default, an engine-core process beside the caller, ran 1.3-1.5x slower here (each
+  device vLLM's default, an engine-core process beside the caller, ran 1.2-1.55x slower here (each
   step's inputs and outputs cross processes that share the core). ``--vllm-multiprocessing`` is that
   default, for comparison.
 - ``vllm colocated k=K``: the same with vLLM's ``draft_model`` speculation: the draft shares the
