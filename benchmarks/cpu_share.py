@@ -24,8 +24,9 @@ import psutil
 ROLES = ("model", "http", "client", "ray/serve", "other")
 _MODEL = ("VLLM::Worker", "VLLM::EngineCore", ":Target", ":Draft", "TargetWorker", "DraftWorker")
 _HTTP = ("vllm.entrypoints.openai.api_server", "vllm serve", ":Router")
-_RAY = ("gcs_server", "raylet", "dashboard", "log_monitor", "ServeController", "ProxyActor", ":Registry", "ray::IDLE",
-        "DashboardAgent", "RuntimeEnvAgent", "ray::", "ray/_private")
+# Every Ray worker's title starts "ray::" (Serve's controller and proxy, the Registry replica, the agents, idle
+# workers); Ray's own executables and scripts are named by path.
+_RAY = ("ray::", "gcs_server", "raylet", "dashboard", "ray/_private")
 
 
 def role(title: str) -> str:
