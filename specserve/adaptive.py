@@ -6,12 +6,13 @@ An *arm* is one such choice, (k, cache only); (0, False) is target-only (nothing
 batch-size bucket, the controller keeps each arm's realized rate: tokens per sequence over the
 arm's mean cycle time, both over its last ``REALIZED_WINDOW`` steady cycles (a cycle is everything
 between the ends of two engine steps; steady: the third in a row on one arm, since the first
-cycles after a switch still pay for it; cycles over 3 x the window's median are left out). It runs the best arm and, every ``probe_every`` choices of the bucket (backing off to
-16 x that while probes confirm the choice), probes a neighbour for ``probe_len`` steps (three
-times that between speculating and not; cut short once it measures under ``PROBE_CUT`` x the
-current arm): k - 1, k + 1, the other mode, or target-only, the least recently measured first; a
-bucket's first
-choices run a fixed set of arms (``warmup_arms``) so each has a rate, unless a settled bucket
+cycles after a switch still pay for it; cycles over 3 x the window's median are left out). It
+runs the best arm and, every ``probe_every`` choices of the bucket (backing off to ``PROBE_GAP`` x
+that while probes confirm the choice, ``PROBE_GAP_LOST`` x once they lose outright), probes a
+neighbour for ``probe_len`` steps (three times that between speculating and not; cut short once it
+measures under ``PROBE_CUT`` x the current arm, sooner under ``PROBE_LOST`` x): k - 1, k + 1, the
+other mode, or target-only, the least recently measured first; a bucket's first choices run a
+fixed set of arms (``warmup_arms``) so each has a rate, unless a settled bucket
 beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
 is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
@@ -48,6 +49,10 @@ SPECULATION_MARGIN = 0.10  # how much a speculative arm's rate must beat target-
 PROBE_BEATEN = 2.0  # target-only is not probed while the current arm's rate is over this multiple of its own
 PROBE_CUT = 0.95  # a probe whose rate is under this fraction of the current arm's ends early ...
 PROBE_CUT_CYCLES = 4  # ... once it has this many measured cycles
+PROBE_LOST = 0.7  # a probe under this fraction of the current arm's rate has lost outright: it ends ...
+PROBE_LOST_CYCLES = 2  # ... at this many measured cycles, and probes back off further (``PROBE_GAP_LOST``)
+PROBE_GAP = 16  # probes back off to at most this many times ``probe_every`` choices apart ...
+PROBE_GAP_LOST = 64  # ... or this many once the last probe lost outright
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -208,16 +213,19 @@ class SpeculationController:
         state = self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
         window = state.realized.setdefault(arm, deque(maxlen=REALIZED_WINDOW))
         window.append((num_tokens / batch_size, seconds, batch_size, prefill_tokens))
-        if state.probing == arm and state.queued and len(window) >= PROBE_CUT_CYCLES and self._losing(b, state):
+        if state.probing == arm and state.queued and (
+                (len(window) >= PROBE_CUT_CYCLES and self._losing(b, state, PROBE_CUT))
+                or (len(window) >= PROBE_LOST_CYCLES and self._losing(b, state, PROBE_LOST))):
             state.queued, state.settle = [], True  # the next choice settles (back on the current arm)
 
-    def _losing(self, b: int, state: _BucketState) -> bool:
-        """Whether the arm being probed measures under ``PROBE_CUT`` times the current arm's rate: a probe
-        that cannot win stops there. Its steps are the costliest a settled bucket runs (at batch 32 on
-        the demo pair a probe into speculation ran 15 steps at 1.6-1.9 x a plain step's time, and a run
-        with one probe was ~5% slower than one with none)."""
+    def _losing(self, b: int, state: _BucketState, fraction: float) -> bool:
+        """Whether the arm being probed measures under ``fraction`` times the current arm's rate: a probe
+        that cannot win stops there (one far behind stops sooner). Its steps are the costliest a settled
+        bucket runs (at batch 32 on the demo pair a probe into speculation ran 15 steps at 1.6-1.9 x a
+        plain step's time, and a run with one probe was ~5% slower than one with none; at batch 8 a
+        probe of k = 4 ran its cycles at 3.9 x a plain one's time for 2.75 x the tokens)."""
         probe, current = self.realized_rate(b, state.probing), self.realized_rate(b, state.current) if state.current else None
-        return probe is not None and current is not None and probe < PROBE_CUT * current
+        return probe is not None and current is not None and probe < fraction * current
 
     def _prefill_cost(self, state: _BucketState) -> float:
         """Seconds per prompt token a cycle's step spends prefilling: the slope of cycle time on prompt
@@ -388,7 +396,10 @@ class SpeculationController:
             if switched:
                 state.gap = self.probe_every
             elif state.confirmed % len(self._candidates(state, cache)) == 0:  # every neighbour lost once more
-                state.gap = min(state.gap * 2, self.probe_every * 16)
+                # A probe that lost outright backs off further: on the demo pair at batch 8 the probes
+                # every 16 x were still ~1.5% of the run, for an answer that did not change.
+                lost = current is not None and self._losing(b, state, PROBE_LOST)
+                state.gap = min(state.gap * 2, self.probe_every * (PROBE_GAP_LOST if lost else PROBE_GAP))
         state.probing, state.settle = None, False
 
     def _inherited(self, b: int) -> Arm | None:

@@ -22,6 +22,7 @@ and each step's committed positions' rows ride with the deltas (``_hook_hidden_s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -102,6 +103,7 @@ class RemoteDraftProposer:
         # next step, instead of the whole batch (and this first token's delivery) waiting for that here.
         self.first_step_drafts = bool(opts.get("first_step_drafts", False))
         self._step_started: float | None = None  # when the runner began the step being verified
+        self._scheduler_output = None  # the step's scheduler output, as the runner's execute_model got it
         self._last_end: float | None = None  # when the previous step's propose returned
         self._between: float | None = None  # vLLM's own time between that and this step's runner (None: an idle gap)
         self._between_ema: float | None = None
@@ -162,13 +164,15 @@ class RemoteDraftProposer:
         self.runner._on_request_state_removed = removed
 
     def _hook_step_timer(self) -> None:
-        """Time each verify: from the runner's ``execute_model`` to this step's ``propose``."""
+        """Time each verify: from the runner's ``execute_model`` to this step's ``propose``; keep the step's
+        scheduler output (which rows carry drafts), which ``propose`` is not passed."""
         original = getattr(self.runner, "execute_model", None)
         if original is None:
             return
 
         def execute_model(*args, _original=original, **kwargs):
             now = self._step_started = time.perf_counter()
+            self._scheduler_output = args[0] if args else kwargs.get("scheduler_output")
             # vLLM's scheduling and output handling since the last step (an idle engine's wait is no cost).
             gap = None if self._last_end is None else now - self._last_end
             typical = self._between_ema
@@ -361,12 +365,14 @@ class RemoteDraftProposer:
         n = len(sampled_token_ids)
         if self.pool is None:
             return [[] for _ in range(n)]
-        scheduler_output = sys._getframe(1).f_locals.get("scheduler_output")
+        scheduler_output, self._scheduler_output = self._scheduler_output, None
+        if scheduler_output is None and self._step_started is None:  # no execute_model hook: the caller has it
+            scheduler_output = sys._getframe(1).f_locals.get("scheduler_output")
         scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
         start = time.perf_counter()
         try:
-            # vLLM samples under torch.inference_mode; an in-process draft's KV cache must stay a normal tensor.
-            with self._lock, _torch().inference_mode(False):
+            # A head's rows are cut from vLLM's tensors here, for a head that may run in this process.
+            with self._lock, (_normal_tensors() if self.hidden_layers is not None else contextlib.nullcontext()):
                 return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled,
                                      getattr(scheduler_output, "total_num_scheduled_tokens", None))
         except Exception:  # a bug here must not fail vLLM's step: this step goes target-only
@@ -386,6 +392,8 @@ class RemoteDraftProposer:
         self._step += 1
         self.step_stats = {}
         req_ids = self.runner.input_batch.req_ids
+        lengths = num_tokens_no_spec[:n].tolist()  # (one conversion, not one per row)
+        seqs, hidden = self.seqs, self.hidden_layers is not None
         live, widest, prefill, decoded = {}, 0, False, 0  # request id -> (row, sequence); decode tokens this step
         fresh = False  # a new sequence's block was not asked: its open must go out this step
         opened = []  # sequences this step's prefill opened
@@ -393,12 +401,12 @@ class RemoteDraftProposer:
             sampled = sampled_token_ids[i]
             if not sampled:  # a prefill chunk that is not finished: nothing committed yet
                 prefill = True
-                if self.hidden_layers is not None:
+                if hidden:
                     self._hold_rows(req_ids[i], i, None)
                 continue
-            rid, length = req_ids[i], int(num_tokens_no_spec[i])
-            seq = self.seqs.get(rid)
-            if self.hidden_layers is not None:  # prompt rows, or the verify input's and the accepted drafts'
+            rid, length = req_ids[i], lengths[i]
+            seq = seqs.get(rid)
+            if hidden:  # prompt rows, or the verify input's and the accepted drafts'
                 self._hold_rows(rid, i, None if seq is None else len(sampled))
             if seq is None:
                 prefill = True
@@ -446,7 +454,8 @@ class RemoteDraftProposer:
                 for rid, (i, seq) in live.items():
                     if rid in self.seqs:
                         self._tell(rid, seq, token_ids_cpu[i])
-                self.pool.push(self._step)
+                with _normal_tensors():
+                    self.pool.push(self._step)
             self._observe_verify(*verified, own_s=time.perf_counter() - entered)
             self._observe_cycle(*cycle, arm)
             return drafts
@@ -455,7 +464,8 @@ class RemoteDraftProposer:
             self._tell(rid, seq, token_ids_cpu[i])
         wants = {rid: k for rid, k in wants.items() if rid in self.seqs}  # (a resync reopened it: asked next step)
         cache_only = self.controller.cache_only
-        outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values(), default=0)))
+        with _normal_tensors():
+            outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values(), default=0)))
         handed = {}
         for rid in wants:
             seq = self.seqs[rid]
@@ -545,6 +555,12 @@ def _torch():
     import torch
 
     return torch
+
+
+def _normal_tensors():
+    """vLLM samples (and calls ``propose``) under torch.inference_mode; a draft that runs in this process
+    computes when it is sent a request, and its KV cache must stay a normal tensor."""
+    return _torch().inference_mode(False)
 
 
 def _is_hybrid(vllm_config) -> bool:

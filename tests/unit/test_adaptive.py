@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from specserve.adaptive import PROBE_CUT_CYCLES, TARGET_ONLY, SpeculationController
+from specserve.adaptive import PROBE_CUT_CYCLES, PROBE_GAP, PROBE_LOST_CYCLES, TARGET_ONLY, SpeculationController
 
 
 class Pair:
@@ -94,11 +94,11 @@ def test_a_slow_target_with_a_fast_draft_speculates_deeply():
 
 
 def test_target_only_where_speculation_never_pays():
-    ctrl = SpeculationController(max_k=4, probe_every=16)  # probes at least every 256 steps
-    arms = run(ctrl, 1, Pair(0.3, costs(0.003, 0.001, 0.003, 0.003)), 1000)
+    ctrl = SpeculationController(max_k=4, probe_every=16)  # probes at least every 1,024 steps (they lose outright)
+    arms = run(ctrl, 1, Pair(0.3, costs(0.003, 0.001, 0.003, 0.003)), 3000)
     assert settled(arms) == TARGET_ONLY
-    tail = arms[-300:]
-    assert tail.count(TARGET_ONLY) > 270 and any(a[0] for a in tail)  # mostly off, but still measuring
+    tail = arms[-1100:]
+    assert tail.count(TARGET_ONLY) > 1080 and any(a[0] for a in tail)  # mostly off, but still measuring
 
 
 def test_large_batches_on_a_compute_bound_target_need_less_speculation():
@@ -133,13 +133,29 @@ def runs_of(arms: list[tuple], speculating: bool = True) -> list[int]:
     return out
 
 
+def mildly_losing(arm):
+    return 0.0225 if arm[0] else 0.01  # the best speculative arm delivers ~0.75x target-only
+
+
 def test_a_probe_that_cannot_win_is_cut_short():
     ctrl = SpeculationController(max_k=4, probe_every=16)
-    arms = run(ctrl, 8, Pair(0.5, losing), 3000)
+    arms = run(ctrl, 8, Pair(0.5, mildly_losing), 3000)
     probes = runs_of(arms[300:])  # past the warm-up: each stretch of speculation is a probe from target-only
     assert probes and settled(arms) == TARGET_ONLY
     # two switch cycles that are not measured, then PROBE_CUT_CYCLES measured ones (a full probe: 15 steps)
-    assert max(probes) <= 2 + PROBE_CUT_CYCLES
+    assert 2 + PROBE_LOST_CYCLES < max(probes) <= 2 + PROBE_CUT_CYCLES
+    assert ctrl.buckets[8].gap <= PROBE_GAP * 16
+
+
+def test_a_probe_that_loses_outright_ends_sooner_and_comes_back_more_rarely():
+    ctrl = SpeculationController(max_k=4, probe_every=16)
+    arms = run(ctrl, 8, Pair(0.5, losing), 6000)  # speculation delivers under half of target-only's rate
+    probes = runs_of(arms[300:])
+    assert probes and settled(arms) == TARGET_ONLY
+    assert max(probes) <= 2 + PROBE_LOST_CYCLES
+    assert ctrl.buckets[8].gap > PROBE_GAP * 16  # backs off past where a close probe stops
+    late = arms[-3000:]
+    assert 0 < sum(1 for a in late if a[0]) <= 3 * (2 + PROBE_LOST_CYCLES)  # still measuring, a few probes in 3,000 steps
 
 
 def test_a_better_arm_found_later_takes_over():
