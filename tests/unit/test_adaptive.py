@@ -154,6 +154,8 @@ def test_a_probe_that_loses_outright_ends_sooner_and_comes_back_more_rarely():
     assert probes and settled(arms) == TARGET_ONLY
     assert max(probes) <= 2 + PROBE_LOST_CYCLES
     assert ctrl.buckets[8].gap > PROBE_GAP * 16  # backs off past where a close probe stops
+    starts = [i for i in range(100, 1100) if arms[i][0] and not arms[i - 1][0]]
+    assert len(starts) <= 3  # and faster: 4 x per probe (doubling from every 16 steps would probe 5 times here)
     late = arms[-3000:]
     assert 0 < sum(1 for a in late if a[0]) <= 3 * (2 + PROBE_LOST_CYCLES)  # still measuring, a few probes in 3,000 steps
 
