@@ -170,6 +170,9 @@ class RayEngine:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if not ray.is_initialized():  # Ray was shut down first (e.g. by the caller, before exit): its actors went with it
+            self.target, self.drafts, self.pg, self._started_ray = None, [], None, False
+            return
         for actor in [self.target, *self.drafts]:
             if actor is not None:
                 ray.kill(actor)

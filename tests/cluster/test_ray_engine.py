@@ -271,3 +271,27 @@ def test_a_window_of_requests_is_kept_full_by_the_target(llm, reference):
     assert [o.prompt_token_ids for o in outs] == [list(p) for p in PROMPTS]
     assert_admitted_as_slots_freed(outs, 3)
     assert ray.get(llm._engine.target.num_seqs.remote()) == 0
+
+
+def test_shutting_ray_down_first_leaves_a_quiet_exit(ray_cluster, tiny_pair):
+    """A script that calls ``ray.shutdown()`` before it exits: the LLM's exit hook finds Ray gone and has
+    nothing to free (its actors went with the driver); it neither logs a failure nor starts a new Ray."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ray\n"
+        "from specserve import LLM, SamplingParams\n"
+        f"ray.init(address={ray_cluster.address!r}, log_to_driver=False)\n"
+        f"llm = LLM({tiny_pair['target']!r}, draft={tiny_pair['perturbed']!r}, dtype='float64', ray=True,\n"
+        "          target_num_cpus=0.25, draft_num_cpus=0.25)\n"
+        "out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)\n"
+        "assert len(out[0].token_ids) == 4\n"
+        "ray.shutdown()\n"
+        "print('DONE', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DONE" in proc.stdout
+    assert "shutting down the engine failed" not in proc.stderr, proc.stderr[-3000:]
+    assert "Started a local Ray instance" not in proc.stderr  # (ray.kill at exit would have started one)
