@@ -8,12 +8,12 @@ arm's mean cycle time, both over its last ``REALIZED_WINDOW`` steady cycles (a c
 between the ends of two engine steps; steady: the third in a row on one arm, since the first
 cycles after a switch still pay for it; cycles over 3 x the window's median are left out). It
 runs the best arm and, every ``probe_every`` choices of the bucket (backing off to ``PROBE_GAP`` x
-that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once they lose outright), probes a
-neighbour for ``probe_len`` steps (three times that between speculating and not; cut short once it
-measures under ``PROBE_CUT`` x the current arm, sooner under ``PROBE_LOST`` x): k - 1, k + 1, the
-other mode, or target-only, the least recently measured first; a bucket's first choices run a
-fixed set of arms (``warmup_arms``) so each has a rate, unless a settled bucket
-beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
+that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once they lose
+outright), probes a neighbour for ``probe_len`` steps (three times that between speculating and
+not; cut short once it measures under ``PROBE_CUT`` x the current arm, sooner under
+``PROBE_LOST`` x): k - 1, k + 1, the other mode, or target-only, the least recently measured
+first; a bucket's first choices run a fixed set of arms (``warmup_arms``) so each has a rate,
+unless a settled bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
 is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
 and output handling) with nothing modelled, which is what makes the choice hold on both target

@@ -94,7 +94,7 @@ def test_a_slow_target_with_a_fast_draft_speculates_deeply():
 
 
 def test_target_only_where_speculation_never_pays():
-    ctrl = SpeculationController(max_k=4, probe_every=16)  # probes at least every 1,024 steps (they lose outright)
+    ctrl = SpeculationController(max_k=4, probe_every=16)  # probes at most 1,024 steps apart (they lose outright)
     arms = run(ctrl, 1, Pair(0.3, costs(0.003, 0.001, 0.003, 0.003)), 3000)
     assert settled(arms) == TARGET_ONLY
     tail = arms[-1100:]
