@@ -400,7 +400,7 @@ class SpeculationController:
                 # (speculation at ~0.6x target-only's rate) each probe cost 10-15% of a 190-step run
                 # while the gaps were still short, and at 16 x the probes were still ~1.5% of a run,
                 # for an answer that did not change.
-                lost = current is not None and self._losing(b, state, PROBE_LOST)
+                lost = self._losing(b, state, PROBE_LOST)
                 state.gap = min(state.gap * 4, self.probe_every * PROBE_GAP_LOST) if lost else min(state.gap * 2, self.probe_every * PROBE_GAP)
         state.probing, state.settle = None, False
 

@@ -170,19 +170,15 @@ class RayEngine:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        if not ray.is_initialized():  # Ray was shut down first (e.g. by the caller, before exit): its actors went with it
-            self.target, self.drafts, self.pg, self._started_ray = None, [], None, False
-            return
-        for actor in [self.target, *self.drafts]:
-            if actor is not None:
-                ray.kill(actor)
-        self.target, self.drafts = None, []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
+        if ray.is_initialized():  # (else Ray was shut down first, e.g. by the caller before exit: its actors went with it)
+            for actor in [self.target, *self.drafts]:
+                if actor is not None:
+                    ray.kill(actor)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+            if self._started_ray:
+                ray.shutdown()
+        self.target, self.drafts, self.pg, self._started_ray = None, [], None, False
 
 
 def _output(d: dict, text, token_ids) -> RequestOutput:
