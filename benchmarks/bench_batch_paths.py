@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     ray.init(num_cpus=8, log_to_driver=False, include_dashboard=False)  # logical CPUs: Ray Data needs one for its actor
     serve.start(http_options={"host": "127.0.0.1", "port": args.port}, logging_config={"log_level": "WARNING"})
-    serve.run(build_app({"target": {"model": "demo:target", "num_cpus": 0.5}, "draft": {"model": "demo:draft", "num_cpus": 0.5},
+    serve.run(build_app({"target": {"model": "demo:target", "backend": "hf", "num_cpus": 0.5}, "draft": {"model": "demo:draft", "num_cpus": 0.5},
                          "server": {"max_pending_requests": 4 * args.concurrency}}), name="bench", route_prefix="/")
     client = specserve.connect("bench")
     prompts = [[3 + i % 97, 20 + i % 13, 40 + i % 29, 11] for i in range(args.prompts)]

@@ -75,7 +75,7 @@ def run_llm(target: str, draft: str | None, prompts, batch: int, max_tokens: int
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     kw = dict(draft=draft, num_speculative_tokens=4) if draft else {}
-    with LLM(target, device="cuda", dtype=dtype, max_num_seqs=max(32, batch), **kw) as llm:
+    with LLM(target, target_backend="hf", device="cuda", dtype=dtype, max_num_seqs=max(32, batch), **kw) as llm:
         llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
         before = llm.metrics()
         start = time.perf_counter()

@@ -169,20 +169,20 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     side = {"num_cpus": 0.25}
     rows = {}
-    with LLM(args.target, draft=args.draft) as llm:
+    with LLM(args.target, draft=args.draft, target_backend="hf") as llm:
         run_llm(llm, params, 3)
         rows["in-process"] = _stats(run_llm(llm, params, args.requests))
     os.environ.update(direct_ingress_env(args.port))  # as `specserve serve` starts its Ray: the router serves --port
     ray.init(num_cpus=4, log_to_driver=False, include_dashboard=False)
     try:
-        llm = LLM(args.target, draft=args.draft, ray=True, target_num_cpus=0.25, draft_num_cpus=0.25)
+        llm = LLM(args.target, draft=args.draft, ray=True, target_backend="hf", target_num_cpus=0.25, draft_num_cpus=0.25)
         run_llm(llm, params, 3)
         rows["ray actor"] = _stats(run_llm(llm, params, args.requests))
         llm.shutdown()
         assert start_serve("127.0.0.1", args.port, logging_config={"log_level": "WARNING"})  # Serve's proxy: --port + 1
         for direct in (True, False):  # the router's streams from the target: direct TCP (the default), or Serve's handle
             how = "direct stream" if direct else "Serve handle hop"
-            config = {"target": {"model": args.target, **side}, "server": {"direct_streams": direct}}
+            config = {"target": {"model": args.target, "backend": "hf", **side}, "server": {"direct_streams": direct}}
             if args.draft:
                 config["draft"] = {"model": args.draft, **side}
             serve.run(build_app(config), name="bench-http", route_prefix="/")

@@ -4,8 +4,9 @@ The servers, each given the same target (and draft):
 
 - ``vllm serve``: vLLM's OpenAI server, target only;
 - ``vllm serve colocated``: the same with ``--speculative-config`` ``draft_model``, k = ``--k``;
-- ``specserve serve``: the Serve app (router, target replica, draft replica), specserve's engine;
-- ``specserve serve vllm``: the same app with the vLLM target engine (``target.backend: vllm``).
+- ``specserve serve``: the Serve app (router, target replica, draft replica), specserve's own engine (``target.backend: hf``);
+- ``specserve serve vllm``: the same app with the vLLM target engine (``target.backend: vllm``, what the default,
+  ``auto``, runs where vLLM is installed).
 
 In the two-device harness by default (``bench_cluster.local_cluster``: the target node, vLLM's
 servers and the client on the target's cores, specserve's draft node on the others; each process
@@ -87,9 +88,9 @@ class SpecserveServer:
         from specserve.serve import build_app
 
         side = {"num_cpus": 0.25}
-        target_side = {"model": target, **side, "dtype": "float32"}
+        target_side = {"model": target, **side, "dtype": "float32", "backend": "vllm" if vllm_target else "hf"}
         if vllm_target:
-            target_side.update(backend="vllm", backend_options=dict(VLLM_OPTIONS))
+            target_side["backend_options"] = dict(VLLM_OPTIONS)
         config = {"target": target_side, "draft": {"model": draft, **side}, "speculation": {"num_speculative_tokens": k, **(speculation or {})},
                   "engine": {"cpu_threads": 1}, "server": {"model_name": "bench", "max_pending_requests": 1024},
                   "cluster": {"runtime_env": {"env_vars": THREAD_ENV}}}

@@ -136,7 +136,7 @@ class SpecserveRunner:
     def __init__(self, target: str, draft: str, options: dict, vllm_options: dict, own_engine: bool = False):
         from specserve import LLM
 
-        backend = {"dtype": "float32"} if own_engine else {"target_backend": "vllm", "target_backend_options": vllm_options}
+        backend = {"dtype": "float32", "target_backend": "hf"} if own_engine else {"target_backend": "vllm", "target_backend_options": vllm_options}
         self.own_engine = own_engine
         self.llm = LLM(target, draft=draft if options.get("num_speculative_tokens", 1) else None, ray=True, **backend,
                        target_num_cpus=0.25, draft_num_cpus=0.25, cpu_threads=1, runtime_env={"env_vars": THREAD_ENV}, **options)

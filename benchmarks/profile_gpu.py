@@ -155,7 +155,7 @@ def engine_step_ms(target: str, batch: int, prompt: int, tokens: int, device: st
     prompts = torch.randint(0, 1000, (batch, prompt), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     table = None
-    with LLM(target, device=device, dtype=dtype, max_num_seqs=max(32, batch)) as llm:
+    with LLM(target, target_backend="hf", device=device, dtype=dtype, max_num_seqs=max(32, batch)) as llm:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         before = llm.metrics()
         llm.generate(prompts, params, use_tqdm=False)

@@ -72,7 +72,7 @@ class SpecserveRunner:
             if spec.k:
                 kw["draft_backend"] = "sim"
         else:
-            kw["dtype"] = args.dtype
+            kw.update(dtype=args.dtype, target_backend="hf")  # specserve's own engine (bench_vllm runs the vLLM target)
         if spec.kind == "ray":
             kw.update(ray=True, address=cluster_address, target_num_cpus=args.side_cpus, draft_num_cpus=args.side_cpus,
                       channel_delay_ms=spec.delay_ms, runtime_env={"env_vars": THREAD_ENV})

@@ -113,11 +113,11 @@ def measure_acceptance(target: str, draft: str, ks: list[int], num_prompts: int 
 
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(target), num_prompts, 48, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(target, draft=None, cpu_threads=1) as llm:
+    with LLM(target, draft=None, target_backend="hf", cpu_threads=1) as llm:
         reference = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     rows = []
     for k in ks:
-        with LLM(target, draft=draft, num_speculative_tokens=k, adaptive=False, cpu_threads=1, max_num_seqs=num_prompts) as llm:
+        with LLM(target, draft=draft, target_backend="hf", num_speculative_tokens=k, adaptive=False, cpu_threads=1, max_num_seqs=num_prompts) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
         accepted, drafted = sum(o.metrics.num_accepted_tokens for o in outs), sum(o.metrics.num_draft_tokens for o in outs)
         drafts = sum(o.metrics.num_drafts for o in outs)

@@ -95,7 +95,7 @@ def run_specserve(prompts, k, max_tokens):
     from specserve import LLM, SamplingParams
 
     draft = str(DRAFT_PATH) if k else None
-    llm = LLM(target=str(TARGET_PATH), draft=draft, num_speculative_tokens=k, dtype="float32")
+    llm = LLM(target=str(TARGET_PATH), draft=draft, target_backend="hf", num_speculative_tokens=k, dtype="float32")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
     llm.shutdown()
     keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")

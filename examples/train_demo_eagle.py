@@ -132,12 +132,12 @@ def measure(head_dir: str, ks=(2, 3, 4), num_prompts: int = 16, prompt_tokens: i
     target = resolve_model("demo:target")
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(target), num_prompts, prompt_tokens, max_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    with LLM(target, draft=None, dtype="float32") as llm:
+    with LLM(target, draft=None, target_backend="hf", dtype="float32") as llm:
         reference = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     out = {}
     for name, draft in (("eagle3 head", head_dir), ("demo draft model", resolve_model("demo:draft"))):
         for k in ks:
-            with LLM(target, draft=draft, num_speculative_tokens=k, adaptive=False, dtype="float32") as llm:
+            with LLM(target, draft=draft, target_backend="hf", num_speculative_tokens=k, adaptive=False, dtype="float32") as llm:
                 outs = llm.generate(prompts, params, use_tqdm=False)
             assert [o.token_ids for o in outs] == reference, "speculative output differs from target-only"
             drafts, drafted, accepted = (sum(getattr(o.metrics, f) for o in outs)

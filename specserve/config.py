@@ -12,14 +12,19 @@ the core knowing them. Knows nothing of Ray or models beyond names.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_ROLE_LABEL = "specserve.io/role"
+TARGET_BACKEND_ENV = "SPECSERVE_TARGET_BACKEND"  # the target's backend when none is named (default auto)
 DEMO_ALIASES = ("demo:target", "demo:draft", "demo:eagle")  # the pair (and the target's EAGLE-3 head) in specserve/demo_models
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 
@@ -43,6 +48,11 @@ def _env_switch(name: str, default: str) -> bool | str:
     return value
 
 
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here, without importing it (seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def resolve_model(model: str) -> str:
     """Map ``demo:target`` / ``demo:draft`` / ``demo:eagle`` to the shipped demo models; other names pass through."""
     if model in DEMO_ALIASES:
@@ -63,7 +73,10 @@ class SideConfig(_Section):
     """One model side (the target or the draft): what runs, how, and where."""
 
     model: str = Field("", description="Model directory or hub id ('demo:target' / 'demo:draft': the shipped demo pair).")
-    backend: str = Field("hf", description="Model backend: hf (transformers), vllm, sim (latency-model simulator).")
+    backend: str = Field(default_factory=lambda: os.environ.get(TARGET_BACKEND_ENV) or "auto",
+                         description="Model backend: auto (vllm where vLLM is installed and can take the side, else hf), hf "
+                                     "(transformers, specserve's own engine), vllm, sim (latency-model simulator). The target's "
+                                     f"default is auto (env {TARGET_BACKEND_ENV} sets it), the draft's hf.")
     dtype: Literal[DTYPES] = Field("float32", description="Weights and activations dtype ('auto': the checkpoint's).")
     device: str = Field("cpu", description="Torch device of this side, e.g. cpu, cuda, cuda:1.")
     device_map: str | None = Field(None, description="transformers device_map, e.g. 'auto' to spread one side over its GPUs.")
@@ -83,6 +96,24 @@ class SideConfig(_Section):
         return resolve_model(v) if v else v
 
     @model_validator(mode="after")
+    def _auto_backend(self):
+        if self.backend == "auto":  # resolved where the configuration is read: a cluster's nodes share one environment
+            object.__setattr__(self, "backend", self._resolve_auto())
+        return self
+
+    def _resolve_auto(self) -> str:
+        """vLLM where it is importable and the side asks nothing only transformers does (a device_map, float64, a
+        device other than CPU or CUDA); else hf."""
+        if self.backend_options:
+            raise ValueError("backend_options are one backend's own keywords: name that backend too (backend: vllm or hf)")
+        if self.device_map is not None or self.dtype == "float64" or not (self.device == "cpu" or self.device.startswith("cuda")):
+            return "hf"
+        if not vllm_installed():
+            return "hf"
+        logger.info("backend auto: vllm (vLLM is installed; backend hf runs specserve's own engine instead)")
+        return "vllm"
+
+    @model_validator(mode="after")
     def _gpus(self):
         if self.num_gpus >= 1 and self.num_gpus < self.tensor_parallel_size:
             raise ValueError(f"num_gpus={self.num_gpus:g} is fewer than tensor_parallel_size={self.tensor_parallel_size}")
@@ -90,6 +121,11 @@ class SideConfig(_Section):
 
 
 class DraftConfig(SideConfig):
+    backend: str = Field("hf", description="Model backend of the draft: hf (transformers), vllm, sim (latency-model simulator); "
+                                           "auto is hf.")
+
+    def _resolve_auto(self) -> str:
+        return "hf"  # a draft is small: transformers, compiled, is its fast path
     drafter: Literal["model", "ngram"] = Field("model", description="How drafts are made: a draft model, or ngram prompt lookup (no model).")
     drafter_options: dict[str, Any] = Field(default_factory=dict, description="Drafter options, e.g. {ngram_min: 1, ngram_max: 4}.")
     compile: bool | Literal["auto"] = Field(

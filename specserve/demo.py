@@ -48,6 +48,7 @@ def run_demo(args) -> int:
     from ray.cluster_utils import Cluster
 
     from .distributed.placement import sigint_shielded
+    from .config import SpecserveConfig
     from .preflight import check_port
     from .serve import build_app
 
@@ -62,7 +63,8 @@ def run_demo(args) -> int:
     print(f"      ready in {time.perf_counter() - t0:.1f}s", flush=True)
     try:
         base = f"http://{args.host}:{args.port}"
-        t0 = _step(2, steps, "loading the demo target on node 'target' and the demo draft on node 'draft'")
+        engine = "vLLM" if SpecserveConfig.load(_app_config(None, 0)).target.backend == "vllm" else "specserve's engine"
+        t0 = _step(2, steps, f"loading the demo target ({engine}) on node 'target' and the demo draft on node 'draft'")
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(_app_config(getattr(args, "draft", "demo:draft"), args.num_speculative_tokens)), name="specserve", route_prefix="/")
         print(f"      speculative app up in {time.perf_counter() - t0:.1f}s", flush=True)

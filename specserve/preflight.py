@@ -34,9 +34,9 @@ def check_models(cfg: SpecserveConfig) -> None:
     check_model_source(d.model, "draft")
     spec = head_spec(d.model) if d.backend == "hf" else None
     if spec is not None:  # an EAGLE head: it reads the target's hidden states and emits the target's ids
-        if t.backend != "hf":
-            raise ValueError(f"draft {d.model!r} is an EAGLE head: it needs target_backend 'hf' (specserve's engine), "
-                             f"which sends it the target's hidden states; got {t.backend!r}")
+        if t.backend not in ("hf", "vllm"):
+            raise ValueError(f"draft {d.model!r} is an EAGLE head: it needs a target that sends it its hidden states "
+                             f"(target_backend 'hf' or 'vllm'); got {t.backend!r}")
         check_target(spec, target_info(load_config(t.model, t.trust_remote_code)))
         return
     if _local(t.model) and _local(d.model):

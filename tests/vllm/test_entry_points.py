@@ -3,8 +3,8 @@
 Serve: ``build_app`` with a nested configuration (what a ``serve run`` YAML holds) whose
 target and draft both say ``backend: vllm``; concurrent completions equal vLLM's own
 target-only output, text included, and /metrics and /health report the drafts. CLI:
-``specserve generate`` with ``--target-backend vllm`` and JSON backend options, in its own
-process (the in-process path, ``LocalEngine``), gives the same tokens.
+``specserve generate`` with no backend named (the default, auto, runs vLLM where it is installed), in
+its own process (the in-process path, ``LocalEngine``), gives the same tokens.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from specserve.config import resolve_model
+from specserve.config import TARGET_BACKEND_ENV, resolve_model
 
 from ..conftest import wait_until
 from .conftest import VLLM_OPTIONS, random_prompts, vllm_greedy
@@ -84,16 +85,21 @@ def test_serve_app_with_vllm_sides_is_exact_over_http(server, reference):
     wait_until(lambda: health(server).get("drafts") == 1, 60, 0.2, "one draft in /health")
 
 
-def test_generate_cli_with_a_vllm_target(tmp_path, reference):
+def test_generate_cli_runs_a_vllm_target_by_default(tmp_path, reference):
+    """No backend named, vLLM installed: the default (auto) runs the target on vLLM, with vLLM's own engine
+    defaults and specserve's bounded CPU KV cache (vLLM's CPU default would reserve most of this box's memory)."""
     rows = [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in PROMPTS]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [sys.executable, "-m", "specserve.cli", "generate", "--target", "demo:target", "--draft", "demo:draft",
-           "--target-backend", "vllm", "--target-backend-options", json.dumps(VLLM_OPTIONS), "--num-speculative-tokens", "4",
+           "--num-speculative-tokens", "4",
            "--no-adaptive",  # fixed k: the speculation counts asserted below follow from the outputs, not from timings
            "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    env = {k: v for k, v in os.environ.items() if k not in (TARGET_BACKEND_ENV, "VLLM_CPU_KVCACHE_SPACE")}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**env, "RAY_ADDRESS": ""})
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend auto: vllm" in done.stderr
+    kv = re.search(r"Explicitly set \(([\d.]+)/[\d.]+\) GiB for KV cache", done.stdout)  # vLLM's engine says what it took
+    assert kv and float(kv.group(1)) <= 4.0, done.stdout[-3000:]
     outs = sorted((json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()), key=lambda r: r["index"])
     assert [o["token_ids"] for o in outs] == [ids for ids, _ in reference]
     assert sum(o["metrics"]["num_accepted_tokens"] for o in outs) > 0
