@@ -12,6 +12,7 @@ the core knowing them. Knows nothing of Ray or models beyond names.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -46,6 +47,11 @@ def _env_switch(name: str, default: str) -> bool | str:
     if value is None:
         raise ValueError(f"{name}={os.environ.get(name)!r}: expected true, false or auto")
     return value
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.info(message)
 
 
 def vllm_installed() -> bool:
@@ -110,7 +116,7 @@ class SideConfig(_Section):
             return "hf"
         if not vllm_installed():
             return "hf"
-        logger.info("backend auto: vllm (vLLM is installed; backend hf runs specserve's own engine instead)")
+        _say_once("backend auto: vllm (vLLM is installed; backend hf runs specserve's own engine instead)")
         return "vllm"
 
     @model_validator(mode="after")
