@@ -31,7 +31,8 @@ token for token, and the ideal two-device ratio: colocated step time / (verify +
 verify is this system's own step with the wait for the draft's compute taken out (both step
 times are wall time per engine step, scheduling and request handling included): what a draft
 hidden completely behind verification would give at the same tokens per step, with the
-fraction of it reached. Tables to stdout and ``--out``/tables.md,
+fraction of it reached. Every vLLM engine runs without stat logging (vLLM's offline default; specserve's
+vLLM target too), so vLLM's colocated row has no acceptance unless ``--vllm-stats``. Tables to stdout and ``--out``/tables.md,
 everything to results.json, a plot to speedup_vs_batch.png.
 
     python -m benchmarks.bench_vllm                          # demo and realistic pairs, batch 1, 8, 32 (~1 h on 2 cores)
@@ -54,7 +55,6 @@ from pathlib import Path
 from .bench_cluster import ROLE, THREAD_ENV, local_cluster
 from .scenarios import heldout_prompts, load_example
 
-STEPS = "vllm:iteration_tokens_total"  # a histogram observed once per engine step: its count is the step count
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
@@ -72,14 +72,20 @@ class PlainVLLM:
 
         normal_priority()  # as specserve's sides do (and its engine process inherits it): same footing
         self.llm = LLM(**kwargs)
+        engine, self.steps = self.llm.llm_engine, 0
+        step = engine.step
+
+        def counted():
+            self.steps += 1
+            return step()
+        engine.step = counted  # engine steps, counted here: vLLM's own count needs its stat logging on
 
     def _counters(self) -> dict:
-        out = {}
-        for m in self.llm.get_metrics():
-            if m.name in SPEC:
-                out[m.name] = out.get(m.name, 0) + m.value
-            elif m.name == STEPS:
-                out[m.name] = out.get(m.name, 0) + m.count
+        out = {"steps": self.steps}
+        if self.llm.llm_engine.log_stats:  # spec-decode counts exist only with stat logging (--vllm-stats)
+            for m in self.llm.get_metrics():
+                if m.name in SPEC:
+                    out[m.name] = out.get(m.name, 0) + m.value
         return out
 
     def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
@@ -108,7 +114,7 @@ class PlainVLLM:
                 token_ids += [list(o.outputs[0].token_ids) for o in outs]
         wall = time.perf_counter() - start
         c = {k: v - before.get(k, 0) for k, v in self._counters().items()}
-        return {"wall_s": wall, "token_ids": token_ids, "num_steps": c.get(STEPS, 0), "num_drafts": c.get(SPEC[0], 0),
+        return {"wall_s": wall, "token_ids": token_ids, "num_steps": c["steps"], "num_drafts": c.get(SPEC[0], 0),
                 "num_draft_tokens": c.get(SPEC[1], 0), "num_accepted_tokens": c.get(SPEC[2], 0)}
 
 
@@ -187,7 +193,9 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
     colocated row is its EAGLE-3; specserve's rows run specserve's engine, which sends the head the
     target's rows, and the same engine target-only)."""
     options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
-    plain = {"model": target, "dtype": "float32", "seed": 0, "disable_log_stats": False, **options}
+    # vLLM's offline default: no stat logging (it costs its engine ~10% of a batch-8 step here); specserve's vLLM
+    # target runs without it too. --vllm-stats turns it on in vLLM's rows, for the colocated row's acceptance.
+    plain = {"model": target, "dtype": "float32", "seed": 0, "disable_log_stats": not args.vllm_stats, **options}
     k = args.k
     mp = {"multiprocessing": args.vllm_multiprocessing}
     out = {"vllm target-only": lambda: VLLMRunner({**plain, **mp}),
@@ -353,6 +361,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt [64; quick: 24]")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative system [4]")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row; the table shows the median [3; quick: 1]")
+    p.add_argument("--vllm-stats", action="store_true", help="stat logging in vLLM's own rows (their acceptance; "
+                   "default: off, vLLM's offline default, as specserve's vLLM target runs)")
     p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (default: eager, fast starts)")
     p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
     p.add_argument("--vllm-multiprocessing", action="store_true",
@@ -406,7 +416,9 @@ def main(argv=None) -> dict:
             f"{args.load} load: " + (f"B requests in flight over max({args.num_prompts}, 3 B) prompts" if args.load == "sustained"
                                      else f"waves of B over max(B, {args.num_prompts}) prompts")
             + f" x {args.max_tokens} tokens, medians of {args.repeats}; vLLM's own systems "
-            + ("with vLLM's engine-core process" if args.vllm_multiprocessing else "in their actor's process") + "\n\n"
+            + ("with vLLM's engine-core process" if args.vllm_multiprocessing else "in their actor's process")
+            + (", with stat logging" if args.vllm_stats else ", without stat logging (vLLM's offline default, and specserve's)")
+            + "\n\n"
             + table(rows))
     print(text)
     (out / "tables.md").write_text(text + "\n")
