@@ -312,6 +312,24 @@ class EngineCore(RequestQueue):
         return out
 
 
+class _LoopSink:
+    """``EngineLoop.stream``'s sink: deltas go to a queue on the consumer's event loop. ``_deliver_all``
+    batches these, so each loop wakes once per step however many of its requests the step advanced."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
 class EngineLoop:
     """Runs ``EngineCore.step`` on its own thread; thread-safe ``submit`` / ``abort``."""
 
@@ -382,9 +400,8 @@ class EngineLoop:
 
     async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         """``StepDelta``s of one request in the caller's event loop; leaving early aborts the request."""
-        loop = asyncio.get_running_loop()
         deltas: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, lambda item: loop.call_soon_threadsafe(deltas.put_nowait, item))
+        self.submit(request_id, prompt_token_ids, params, _LoopSink(asyncio.get_running_loop(), deltas))
         finished = False
         try:
             while not finished:
@@ -414,8 +431,20 @@ class EngineLoop:
             logger.exception("delivering to request %s failed", rid)
 
     def _deliver_all(self, deltas: list[StepDelta]) -> None:
+        batches: dict = {}  # event loop -> [(queue, delta)]: one wake-up of each loop per step, not one per delta
         for d in deltas:
-            self._deliver(d.request_id, d)
+            sink = self._sinks.get(d.request_id)
+            if type(sink) is not _LoopSink:
+                self._deliver(d.request_id, d)
+                continue
+            if d.finished:
+                del self._sinks[d.request_id]
+            batches.setdefault(sink.loop, []).append((sink.queue, d))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the consumers' loop has closed: nobody is left to tell
+                logger.warning("dropped %d deltas for a closed event loop", len(items))
 
     def _drain(self) -> None:
         while self._inbox:
