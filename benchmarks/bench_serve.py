@@ -11,8 +11,8 @@ The servers, each given the same target (and draft):
 In the two-device harness by default (``bench_cluster.local_cluster``: the target node, vLLM's
 servers and the client on the target's cores, specserve's draft node on the others; each process
 one OpenMP thread), ``--shared-cores`` for every process on every core. Per server and concurrency
-the client sends ``--num-prompts`` random prompts of ``--input-len`` tokens for ``--output-len``
-tokens (``ignore_eos``), greedy, and reports completed/failed requests, output tok/s, median TTFT
+the client sends ``--num-prompts`` random prompts (at least ``--requests-per-client`` per client) of
+``--input-len`` tokens for ``--output-len`` tokens (``ignore_eos``), greedy, and reports completed/failed requests, output tok/s, median TTFT
 and TPOT, and, in the harness, where the target's core went during the client's main run: each
 role's share of it (the models, the HTTP layer, the client, Ray's and Serve's own processes;
 ``cpu_share``) and how busy the draft's core was. Prints a table, writes ``--out``/serve.{md,json}
@@ -105,13 +105,20 @@ class SpecserveServer:
         serve.delete("bench-serve")
 
 
+def prompts_per_level(args, concurrency: int) -> int:
+    """``--num-prompts``, and at least ``--requests-per-client`` per client: a level as short as two requests
+    per client measures mostly how a server starts on a new load (specserve's controller measures its arms
+    on each new batch size first), not how it serves it."""
+    return max(args.num_prompts, args.requests_per_client * concurrency)
+
+
 def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path, cores: tuple | None = None) -> dict:
     """One level: the client's summary, and (``cores``: the target's and the draft's core sets) each
     role's share of those cores over the run (``cpu_share``)."""
     name = f"c{concurrency}.json"
     cmd = [sys.executable, "-c", CLIENT, "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions",
            "--model", "bench", "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(max(args.num_prompts, 2 * concurrency)),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(prompts_per_level(args, concurrency)),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--ready-check-timeout-sec", "0",
            "--num-warmups", str(min(concurrency, 4))]
@@ -148,7 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", default="demo:draft")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels [1,8,32]")
-    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per level (at least 2 x its concurrency) [32]")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per level, at least --requests-per-client x its concurrency [32]")
+    parser.add_argument("--requests-per-client", type=int, default=8, help="requests each client sends at least, per level [8]")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--servers", default=None, help="only these, comma-separated, as the table names them")
@@ -213,7 +221,7 @@ def main(argv=None) -> int:
                 server.close()
         serve.shutdown()
     lines = [f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
-             f"greedy, ignore_eos); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs; one run", "",
+             f"greedy, ignore_eos; {args.num_prompts} prompts per level, at least {args.requests_per_client} per client); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs; one run", "",
              "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms | "
              "target's cores, % of one: model / http / client / ray/serve / other | draft's cores busy % |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
