@@ -60,3 +60,12 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
 
     main(["--from-json", str(out / "results.json"), "--out", str(tmp_path / "redrawn")])  # measures nothing
     assert (tmp_path / "redrawn" / "tables.md").read_text() == tables
+
+
+def test_stream_path_bench_streams_every_delta(tmp_path, capsys):
+    from benchmarks.bench_stream_path import main as stream_path
+
+    assert stream_path(["--streams", "4", "--tokens", "20", "--step-ms", "0.5", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "stream_path.json").read_text())["rows"]
+    assert row["tokens"] == 4 * 20 and row["steps"] >= 20 and row["cpu_s"] > 0  # every delta crossed the real TCP path
+    assert "replica CPU us / delta" in capsys.readouterr().out
