@@ -129,9 +129,6 @@ class SideConfig(_Section):
 class DraftConfig(SideConfig):
     backend: str = Field("hf", description="Model backend of the draft: hf (transformers), vllm, sim (latency-model simulator); "
                                            "auto is hf.")
-
-    def _resolve_auto(self) -> str:
-        return "hf"  # a draft is small: transformers, compiled, is its fast path
     drafter: Literal["model", "ngram"] = Field("model", description="How drafts are made: a draft model, or ngram prompt lookup (no model).")
     drafter_options: dict[str, Any] = Field(default_factory=dict, description="Drafter options, e.g. {ngram_min: 1, ngram_max: 4}.")
     compile: bool | Literal["auto"] = Field(
@@ -140,6 +137,9 @@ class DraftConfig(SideConfig):
                     "starts (~15-60 s on one CPU core; a small model's forward on CPU 1.1-1.5x faster per call); auto: a CPU draft in a "
                     "process of its own (a Ray actor, a Serve replica, `specserve draft`); a draft that cannot compile runs "
                     "eager (env SPECSERVE_DRAFT_COMPILE sets the default).")
+
+    def _resolve_auto(self) -> str:
+        return "hf"  # a draft is small: transformers, compiled, is its fast path
 
 
 class SpeculationConfig(_Section):

@@ -47,8 +47,8 @@ def run_demo(args) -> int:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from .distributed.placement import sigint_shielded
     from .config import SpecserveConfig
+    from .distributed.placement import sigint_shielded
     from .preflight import check_port
     from .serve import build_app
 

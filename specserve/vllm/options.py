@@ -3,8 +3,9 @@
 ``engine_kwargs(side, ...)`` -> keyword arguments of ``vllm.LLM``: the side's model, dtype,
 tensor parallelism (ranks as worker processes of this side's process) and context, then
 whatever ``backend_options`` holds (any ``vllm.LLM`` / ``EngineArgs`` keyword, passed
-through and winning); on CPU a bounded KV cache when nothing sizes one. ``prepare_env(side)`` sets what vLLM reads from the environment
-before its first engine starts in this process: the engine core in this process
+through and winning), and on CPU a bounded KV cache when nothing sizes one.
+``prepare_env(side)`` sets what vLLM reads from the environment before its first engine
+starts in this process: the engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; a proposer then shares this process's objects) and,
 on CPU with tensor parallelism, one OpenMP core group per rank. Knows nothing of drafting.
 """
