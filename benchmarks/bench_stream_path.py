@@ -98,6 +98,8 @@ def main(argv=None) -> int:
             client = ctx.Process(target=_client, args=(server.address, args.streams, args.tokens, results))
             client.start()
             while not loop.core.running:  # the client's imports and connections are not the replica's cost
+                if not client.is_alive():
+                    raise RuntimeError(f"the client exited (code {client.exitcode}) before its first request")
                 time.sleep(0.001)
             before, steps, start = resource.getrusage(resource.RUSAGE_SELF), loop.core.counters["num_steps"], time.perf_counter()
             tokens = results.get(timeout=600)
