@@ -1,7 +1,18 @@
-"""Workarounds for vLLM bugs that sampled speculative decoding on vLLM's CPU build hits.
+"""What specserve changes in vLLM (0.32) where its proposer runs: ``min_p`` and ``logit_bias``
+under speculation, and two CPU bugs of the rejection sampler.
 
-Applied once per process, by the proposer (it runs where vLLM samples), on the CPU platform
-only, and only to vLLM's rejection sampler (``vllm.v1.sample.rejection_sampler``, 0.32):
+**min_p and logit_bias.** vLLM builds neither processor once speculation is configured, and
+refuses both at validation. For an engine whose proposer is specserve's (``ours``), the
+target's model runner gets them back (``build_logitsprocs``): they apply to every plain step
+and every bonus token as without speculation. At draft positions the rejection sampler gets
+them as well, in the order vLLM's sampler applies them: the bias per verified row before the
+penalties (``RejectionSampler.apply_logits_processors``), min-p on the temperature-scaled
+probabilities before top-k / top-p (``apply_sampling_constraints``). Greedy output then
+equals vLLM target-only's with the same parameters, and sampling follows the processed
+target distribution. ``allow_in_validation`` lifts vLLM's refusal for such engines (the
+process that takes requests); the others run on any platform where the proposer samples.
+
+**CPU bugs.** Applied on the CPU platform only, to ``vllm.v1.sample.rejection_sampler``:
 
 - ``expand_batch_to_tokens`` repeats each request's temperature / top-k / top-p once per
   draft token. The CPU kernel behind it converts the output tensor to int64 and writes into
@@ -20,7 +31,7 @@ from __future__ import annotations
 import logging
 
 logger = logging.getLogger("specserve.vllm")
-_applied: list[bool] = []
+_applied: list[str] = []  # what this process has patched
 
 
 def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
@@ -32,10 +43,133 @@ def expand_batch_to_tokens(x, cu_num_tokens, num_tokens: int, replace_from: int 
     return torch.repeat_interleave(values, counts.long(), output_size=num_tokens)
 
 
-def apply_all() -> None:
-    if _applied:
+def ours(speculative_config) -> bool:
+    """Whether an engine's speculation is specserve's proposer."""
+    from .target import PROPOSER
+
+    return (speculative_config is not None and getattr(speculative_config, "method", None) == "custom_class"
+            and getattr(speculative_config, "model", None) == PROPOSER)
+
+
+def logits_processing_supported() -> bool:
+    """Whether this vLLM has what ``_apply_logits_processing`` patches (else min_p and logit_bias stay refused)."""
+    try:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.sample import rejection_sampler
+        from vllm.v1.sample.logits_processor import builtin
+        from vllm.v1.worker import gpu_model_runner
+    except ImportError:
+        return False
+    return (hasattr(SamplingParams, "_validate_spec_decode") and hasattr(gpu_model_runner, "build_logitsprocs")
+            and hasattr(rejection_sampler, "apply_sampling_constraints") and hasattr(rejection_sampler, "expand_batch_to_tokens")
+            and hasattr(rejection_sampler.RejectionSampler, "apply_logits_processors")
+            and hasattr(builtin, "MinPLogitsProcessor") and hasattr(builtin, "LogitBiasLogitsProcessor"))
+
+
+def allow_in_validation() -> None:
+    """vLLM's request validation lets min_p and logit_bias through to engines whose proposer is ours."""
+    if "validation" in _applied or not logits_processing_supported():
         return
-    _applied.append(True)
+    _applied.append("validation")
+    from vllm.sampling_params import SamplingParams
+
+    original = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self, speculative_config) -> None:
+        if not ours(speculative_config):
+            original(self, speculative_config)
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+
+def _processor(processors, cls):
+    return next((p for p in processors if isinstance(p, cls)), None)
+
+
+def _apply_logits_processing() -> None:
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+    from vllm.v1.worker import gpu_model_runner
+
+    original_build = gpu_model_runner.build_logitsprocs
+
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs):
+        procs = original_build(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs)
+        if is_pooling_model or not ours(vllm_config.speculative_config):
+            return procs
+        have = {type(p) for p in procs.all}
+        extra = [cls(vllm_config, device, is_pin_memory) for cls in (MinPLogitsProcessor, LogitBiasLogitsProcessor) if cls not in have]
+        return LogitsProcessors([*procs.all, *extra])
+
+    sampler = rejection_sampler.RejectionSampler
+    original_processors = sampler.apply_logits_processors
+
+    def apply_logits_processors(self, logits, sampling_metadata, metadata):
+        # [num_draft_tokens, vocab] float32: each request's verified rows get its bias first, as vLLM's sampler
+        # adds it before the penalties (the masks after it commute with a finite bias)
+        bias = _processor(sampling_metadata.logitsprocs.non_argmax_invariant, LogitBiasLogitsProcessor)
+        if bias is not None and bias.biases:
+            _add_bias(logits, bias.biases, metadata.num_draft_tokens)
+        return original_processors(self, logits, sampling_metadata, metadata)
+
+    original_constraints = rejection_sampler.apply_sampling_constraints
+
+    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+        min_p = _processor(sampling_metadata.logitsprocs.argmax_invariant, MinPLogitsProcessor)
+        if min_p is not None and min_p.min_p_count and not sampling_metadata.all_greedy:
+            _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p.min_p_cpu[:cu_num_draft_tokens.shape[0]])
+        return original_constraints(logits, cu_num_draft_tokens, sampling_metadata)
+
+    gpu_model_runner.build_logitsprocs = build_logitsprocs
+    sampler.apply_logits_processors = apply_logits_processors
+    rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
+    logger.info("specserve: min_p and logit_bias apply under vLLM speculation with specserve's proposer")
+
+
+def _add_bias(logits, biases: dict, num_draft_tokens: list[int]) -> None:
+    """``biases``: request index -> {token id: bias}; request i owns rows cu[i] .. cu[i] + num_draft_tokens[i] - 1."""
+    import torch
+
+    starts = [0]
+    for n in num_draft_tokens:
+        starts.append(starts[-1] + n)
+    rows, tokens, values = [], [], []
+    for i, bias in biases.items():
+        for row in range(starts[i], starts[i] + num_draft_tokens[i]):
+            rows += [row] * len(bias)
+            tokens += bias.keys()
+            values += bias.values()
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
+        logits[index] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+
+
+def _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p) -> None:
+    """vLLM's min-p at draft positions: a token whose probability at the row's temperature is under min_p times
+    the row's top one is masked (the same arithmetic as its sampler's, on the rows whose request has a min_p)."""
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    num_tokens = logits.shape[0]
+    expand = rejection_sampler.expand_batch_to_tokens
+    per_row = expand(torch.from_numpy(min_p).to(logits.device), cu_num_draft_tokens, num_tokens)  # [num_tokens] float32
+    rows = per_row.nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return
+    temperature = expand(sampling_metadata.temperature, cu_num_draft_tokens, num_tokens,
+                         replace_from=rejection_sampler.GREEDY_TEMPERATURE, replace_to=1)
+    probs = torch.softmax(logits[rows] / temperature[rows].unsqueeze(-1), dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True).mul_(per_row[rows].unsqueeze(-1))
+    logits[rows] = logits[rows].masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_all() -> None:
+    """The proposer's process (where vLLM samples): min_p and logit_bias, and on CPU the bug fixes."""
+    if "sampler" in _applied:
+        return
+    _applied.append("sampler")
+    if logits_processing_supported():
+        _apply_logits_processing()
     try:
         from vllm.platforms import current_platform
         from vllm.v1.sample import rejection_sampler

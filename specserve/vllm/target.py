@@ -26,6 +26,7 @@ from ..outputs import SpecMetrics, StepDelta
 from ..secret import TOKEN_ENV, resolve_token
 from ..stopping import StopChecker
 from . import link as links
+from . import patches
 from .options import engine_kwargs, prepare_env, require_vllm, sync_omp_threads
 
 logger = logging.getLogger("specserve.vllm")
@@ -78,6 +79,7 @@ class VLLMEngineCore(RequestQueue):
                 if token:  # they inherit this environment (vLLM logs its config, so the secret stays out of it)
                     os.environ[TOKEN_ENV] = token
             extra["additional_config"] = {"specserve": opts}
+            patches.allow_in_validation()  # min_p and logit_bias: vLLM's validation refuses them under speculation
         self.llm = LLM(**engine_kwargs(t, cfg.engine.max_model_len, tokenizer is not None, **extra))
         self.engine = self.llm.llm_engine
         slot = links.find(self._key)
@@ -93,6 +95,7 @@ class VLLMEngineCore(RequestQueue):
                          "num_proposals": 0, "num_verify_steps": 0}
         self.timing = {"wall_s": 0.0, "target_forward_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0,
                        "verify_s": 0.0, "specserve_s": 0.0}
+        self._logits_processing = patches.logits_processing_supported()
         self.vllm_counters: dict = {}
         self._vllm_counters_at = 0.0
         self._vllm_counters_step = -1
@@ -114,11 +117,10 @@ class VLLMEngineCore(RequestQueue):
             raise ValueError(f"prompt token ids must be integers in [0, {t.vocab_size}), got {bad[:5]}")
         StopChecker(params, set(), t.tokenizer, len(prompt_token_ids), t.max_model_len)  # stop strings need a tokenizer
         check_token_ids(params, t.vocab_size, t.tokenizer)
-        if self.k and (params.logit_bias or params.min_p):
-            # vLLM builds no min-p or logit-bias processor when speculation is configured (it warns
-            # "won't work with speculative decoding" and ignores them): refuse rather than ignore.
+        if self.k and (params.logit_bias or params.min_p) and not self._logits_processing:
+            # this vLLM's layout is not the one ``patches`` knows: it would ignore them under speculation
             name = "logit_bias" if params.logit_bias else "min_p"
-            raise ValueError(f"{name} is not applied by vLLM's sampler when speculation is on; "
+            raise ValueError(f"{name} is not applied by this vLLM's sampler when speculation is on; "
                              "use specserve's own target engine (target_backend: hf) or a deployment without a draft")
 
     def abort(self, request_id: str) -> bool:

@@ -85,6 +85,18 @@ def test_serve_app_with_vllm_sides_is_exact_over_http(server, reference):
     wait_until(lambda: health(server).get("drafts") == 1, 60, 0.2, "one draft in /health")
 
 
+def test_logit_bias_and_min_p_reach_a_vllm_target_that_speculates(server):
+    """vLLM refuses both once speculation is configured; behind specserve's proposer they apply (the exactness
+    against vLLM target-only is ``test_sampling_features``'s). Here over HTTP: a +100 bias makes every
+    generated token the biased one, drafts or not, and min_p is accepted."""
+    ids = PROMPTS[0]
+    r = httpx.post(f"{server}/v1/completions", json={"model": "demo", "prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                     "ignore_eos": True, "logit_bias": {"311": 100}, "min_p": 0.2,
+                                                     "return_tokens_as_token_ids": True, "logprobs": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:311"] * 12
+
+
 def test_generate_cli_runs_a_vllm_target_by_default(tmp_path, reference):
     """No backend named, vLLM installed: the default (auto) runs the target on vLLM, with vLLM's own engine
     defaults and specserve's bounded CPU KV cache (vLLM's CPU default would reserve most of this box's memory)."""
