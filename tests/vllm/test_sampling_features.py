@@ -73,6 +73,11 @@ def test_greedy_with_sampling_features_equals_vllm_target_only(ray_cluster, refe
                 p["logit_bias"] = tuple(p["logit_bias"].items())
             outs = llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)
             assert [list(o.token_ids) for o in outs] == reference[case], case
+        # One batch mixing requests with and without a bias: each request's verified rows get its own.
+        mixed = ["logit_bias" if i % 2 else "penalties" for i in range(len(PROMPTS))]
+        sp = [SamplingParams(**{**params(c), "logit_bias": tuple(CASES[c].get("logit_bias", {}).items())}) for c in mixed]
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        assert [list(o.token_ids) for o in outs] == [reference[c][i] for i, c in enumerate(mixed)]
         # Logprobs: the target's raw ones (before the penalties), as vLLM target-only reports them.
         outs = llm.generate(PROMPTS, SamplingParams(**params("penalties"), logprobs=2), use_tqdm=False)
         for out, (tokens, expected) in zip(outs, reference["logprobs"]):
