@@ -11,7 +11,8 @@ The servers, each given the same target (and draft):
 In the two-device harness by default (``bench_cluster.local_cluster``: the target node, vLLM's
 servers and the client on the target's cores, specserve's draft node on the others; each process
 one OpenMP thread), ``--shared-cores`` for every process on every core. Per server and concurrency
-the client sends ``--num-prompts`` random prompts (at least ``--requests-per-client`` per client) of
+the client sends ``--warmups-per-client`` untimed requests per client at the level's concurrency, then
+``--num-prompts`` random prompts (at least ``--requests-per-client`` per client) of
 ``--input-len`` tokens for ``--output-len`` tokens (``ignore_eos``), greedy, and reports completed/failed requests, output tok/s, median TTFT
 and TPOT, and, in the harness, where the target's core went during the client's main run: each
 role's share of it (the models, the HTTP layer, the client, Ray's and Serve's own processes;
@@ -121,7 +122,7 @@ def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path,
            "--random-output-len", str(args.output_len), "--num-prompts", str(prompts_per_level(args, concurrency)),
            "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--ready-check-timeout-sec", "0",
-           "--num-warmups", str(min(concurrency, 4))]
+           "--num-warmups", str(args.warmups_per_client * concurrency)]
     # The CPU table covers the main run only, from the client's own marks (its start-up and warm-up are not load).
     client = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, **THREAD_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"})
@@ -157,6 +158,10 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels [1,8,32]")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts per level, at least --requests-per-client x its concurrency [32]")
     parser.add_argument("--requests-per-client", type=int, default=8, help="requests each client sends at least, per level [8]")
+    parser.add_argument("--warmups-per-client", type=int, default=1,
+                        help="untimed requests per client before each level's main run, sent at its concurrency [1]: every "
+                             "server sees the level's batch sizes before it is timed (specserve's controller measures its arms "
+                             "on a batch size it has not run; vLLM's engine meets the level's shapes)")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--servers", default=None, help="only these, comma-separated, as the table names them")
@@ -213,7 +218,13 @@ def main(argv=None) -> int:
             try:
                 with tempfile.TemporaryDirectory() as tmp:
                     for c in levels:
+                        before = _spec_counters(server)
                         r = run_client(server.base, target, c, args, Path(tmp), cores)
+                        after = _spec_counters(server)
+                        if before and after:  # (warm-up included: the registry's counters have no marks)
+                            tokens = after["specserve_num_generation_tokens"] - before["specserve_num_generation_tokens"]
+                            drafts = after["specserve_spec_decode_num_drafts"] - before["specserve_spec_decode_num_drafts"]
+                            r["drafted_share"] = drafts / tokens if tokens else None
                         rows.append({"server": name, "concurrency": c, **r})
                         print(f"{name:32s} c={c:<3d} {r['output_tok_s']:8.1f} tok/s  TTFT {r['median_ttft_ms']:7.1f} ms  "
                               f"TPOT {r['median_tpot_ms']:6.2f} ms  failed {r['failed']}", flush=True)
@@ -221,23 +232,48 @@ def main(argv=None) -> int:
                 server.close()
         serve.shutdown()
     lines = [f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
-             f"greedy, ignore_eos; {args.num_prompts} prompts per level, at least {args.requests_per_client} per client); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs; one run", "",
+             f"greedy, ignore_eos; {args.num_prompts} prompts per level, at least {args.requests_per_client} per client, after {args.warmups_per_client} untimed per client); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs; one run", "",
              "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms | "
-             "target's cores, % of one: model / http / client / ray/serve / other | draft's cores busy % |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "target's cores, % of one: model / http / client / ray/serve / other | draft's cores busy % | draft blocks per token |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         best = max((x["output_tok_s"] for x in rows if x["concurrency"] == r["concurrency"] and x["server"].startswith("vllm")),
                    default=None)
         ratio = f"{r['output_tok_s'] / best:.2f}x" if best else "-"
         lines.append(f"| {r['server']} | {r['concurrency']} | {r['completed']} / {r['failed']} | {r['output_tok_s']:.1f} | {ratio} | "
                      f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {_cpu(r.get('target_cores_cpu'))} | "
-                     f"{_cpu(r.get('draft_cores_cpu'), total=True)} |")
+                     f"{_cpu(r.get('draft_cores_cpu'), total=True)} | {_fmt(r.get('drafted_share'))} |")
     print("\n".join(lines))
     (out / "serve.md").write_text("\n".join(lines) + "\n")
     (out / "serve.json").write_text(json.dumps({"args": vars(args), "where": where, "rows": rows}, indent=1))
     _plot(rows, levels, out / "serve.png")
     print(f"wrote {out / 'serve.md'}, {out / 'serve.json'}, {out / 'serve.png'}")
     return 0
+
+
+def _spec_counters(server) -> dict:
+    """specserve's counters from its /metrics (empty for vLLM's servers, or when unreadable): what a level
+    speculated, as draft blocks verified per generated token (1: every sequence drafted at every step)."""
+    if not isinstance(server, SpecserveServer):
+        return {}
+    import httpx
+
+    wanted = ("specserve_num_generation_tokens", "specserve_spec_decode_num_drafts")
+    time.sleep(1.0)  # replicas push their metrics to the registry twice a second
+    try:
+        text = httpx.get(f"{server.base}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():  # name{labels} value
+        name = line.split("{", 1)[0]
+        if name in wanted:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[-1])
+    return out if len(out) == len(wanted) else {}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _cpu(share: dict | None, total: bool = False) -> str:
