@@ -109,7 +109,7 @@ def _apply_logits_processing() -> None:
         # adds it before the penalties (the masks after it commute with a finite bias)
         bias = _processor(sampling_metadata.logitsprocs.non_argmax_invariant, LogitBiasLogitsProcessor)
         if bias is not None and bias.biases:
-            _add_bias(logits, bias.biases, metadata.num_draft_tokens)
+            _add_bias(logits, bias, metadata.num_draft_tokens)
         return original_processors(self, logits, sampling_metadata, metadata)
 
     original_constraints = rejection_sampler.apply_sampling_constraints
@@ -126,22 +126,19 @@ def _apply_logits_processing() -> None:
     logger.info("specserve: min_p and logit_bias apply under vLLM speculation with specserve's proposer")
 
 
-def _add_bias(logits, biases: dict, num_draft_tokens: list[int]) -> None:
-    """``biases``: request index -> {token id: bias}; request i owns rows cu[i] .. cu[i] + num_draft_tokens[i] - 1."""
+def _add_bias(logits, processor, num_draft_tokens: list[int]) -> None:
+    """The bias processor's entries (request index, token id, bias: its flat tensors, as vLLM's own ``apply``
+    reads them) on every verified row of their request; request i owns rows cu[i] .. cu[i] + n[i] - 1."""
     import torch
 
-    starts = [0]
-    for n in num_draft_tokens:
-        starts.append(starts[-1] + n)
-    rows, tokens, values = [], [], []
-    for i, bias in biases.items():
-        for row in range(starts[i], starts[i] + num_draft_tokens[i]):
-            rows += [row] * len(bias)
-            tokens += bias.keys()
-            values += bias.values()
-    if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-        logits[index] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    request_index, token_ids = processor.logits_slice  # [num_entries] int32 each
+    n = torch.tensor(num_draft_tokens, device=logits.device)  # [batch_size]
+    starts = torch.cumsum(n, 0) - n
+    counts = n[request_index.long()]  # rows per entry
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=logits.device), counts)  # [num_rows]
+    within = torch.arange(entry.numel(), device=logits.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    rows = starts[request_index.long()[entry]] + within
+    logits[rows, token_ids.long()[entry]] += processor.bias_tensor[entry]
 
 
 def _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p) -> None:
