@@ -50,6 +50,27 @@ def exact_distributions(target_path, temperature, top_k, top_p):
     return p1, p1 @ p2_given, joint12 @ p3_given
 
 
+def processed_distributions(target_path, params, min_p: float | None = None):
+    """p(t1), p(t2), p(t3) at temperature 1 after ``params``' logits processing (penalties, bias, masks:
+    ``SeqProcessor``, each position with its own prefix) and min-p (``min_p``, default the params'), by
+    enumeration; also p(t2 | t1) as a [VOCAB, VOCAB] table."""
+    from specserve.logits_processing import SeqProcessor
+
+    proc = SeqProcessor(params, PROMPT, VOCAB, set(), [])
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float64).eval()
+
+    def probs(outputs: list[list[int]]) -> torch.Tensor:  # the processed next-token distribution after each output
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + o for o in outputs])).logits[:, -1]
+        rows = torch.stack([proc.apply(logits[i:i + 1], PROMPT + o, [])[0] for i, o in enumerate(outputs)]).double()
+        return processed_probs(rows, 1.0, 0, 1.0, params.min_p if min_p is None else min_p)
+
+    p1 = probs([[]])[0]
+    p2_given = probs([[t] for t in range(VOCAB)])
+    p3_given = probs([[a, b] for a in range(VOCAB) for b in range(VOCAB)])
+    return p1, p1 @ p2_given, (p1[:, None] * p2_given).reshape(-1) @ p3_given, p2_given
+
+
 def chi2_pvalue(samples, expected_probs):
     counts = torch.bincount(torch.tensor(samples), minlength=VOCAB).double()
     expected = expected_probs * len(samples)
@@ -119,27 +140,13 @@ def test_seeded_output_equals_the_reference_whatever_the_path(small_vocab_pair, 
 def test_sampled_with_penalties_and_biases_follows_the_processed_target(small_vocab_pair):
     """Penalties, a logit bias and min-p: each verified position is processed with its own prefix,
     so the first three tokens follow the processed target distributions (exact, by enumeration)."""
-    from specserve.logits_processing import SeqProcessor
-
     target, draft = small_vocab_pair
     extra = {"repetition_penalty": 1.6, "presence_penalty": 0.8, "frequency_penalty": 0.5, "logit_bias": ((2, 1.5), (5, -0.7)),
              "min_p": 0.05}
     params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True, **extra) for s in range(NUM_SAMPLES)]
     with LLM(target, draft=draft, num_speculative_tokens=3, dtype="float64", adaptive=False, draft_ahead=False) as llm:
         outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
-    proc = SeqProcessor(params[0], PROMPT, VOCAB, set(), [])
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
-
-    def probs(outputs: list[list[int]]) -> torch.Tensor:  # the processed next-token distribution after each output
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + o for o in outputs])).logits[:, -1]
-        rows = torch.stack([proc.apply(logits[i:i + 1], PROMPT + o, [])[0] for i, o in enumerate(outputs)]).double()
-        return processed_probs(rows, 1.0, 0, 1.0, extra["min_p"])
-
-    p1 = probs([[]])[0]
-    p2_given = probs([[t] for t in range(VOCAB)])
-    p3_given = probs([[a, b] for a in range(VOCAB) for b in range(VOCAB)])
-    p2, p3 = p1 @ p2_given, (p1[:, None] * p2_given).reshape(-1) @ p3_given
+    p1, p2, p3, _ = processed_distributions(target, params[0])
     for pos, expected in enumerate((p1, p2, p3)):
         assert chi2_pvalue([o.token_ids[pos] for o in outs], expected) > 1e-4, pos
     plain = exact_distributions(target, 1.0, 0, 1.0)

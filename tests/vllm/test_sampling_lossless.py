@@ -15,7 +15,7 @@ import torch
 from specserve import LLM, SamplingParams
 
 from ..conftest import make_model
-from ..unit.test_sampling_lossless import chi2_pvalue, exact_distributions
+from ..unit.test_sampling_lossless import chi2_pvalue, exact_distributions, processed_distributions
 from .conftest import VLLM_OPTIONS
 
 VOCAB = 12
@@ -65,33 +65,16 @@ def test_sampled_with_penalties_bias_and_min_p_follows_the_processed_target(llm,
     """vLLM leaves min_p and logit_bias out under speculation; with specserve's proposer they apply at
     every verified position (``specserve.vllm.patches``), beside vLLM's own penalties: the first three
     tokens follow the processed target distributions, each position processed with its own prefix."""
-    from transformers import AutoModelForCausalLM
-
-    from specserve.logits_processing import SeqProcessor
-    from specserve.sampling import processed_probs
-
     target, _ = small_vocab_pair
     extra = {"repetition_penalty": 1.6, "presence_penalty": 0.8, "logit_bias": ((2, 1.5), (5, -0.7)), "min_p": 0.3}
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True, **extra) for s in range(NUM_SAMPLES)]
     outs = llm.generate([PROMPT] * NUM_SAMPLES, params, use_tqdm=False)
-    proc = SeqProcessor(params[0], PROMPT, VOCAB, set(), [])
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
-
-    def probs(outputs: list[list[int]], min_p: float = extra["min_p"]) -> torch.Tensor:  # the processed next-token
-        with torch.no_grad():                                                                # distribution after each output
-            logits = model(torch.tensor([PROMPT + o for o in outputs])).logits[:, -1]
-        rows = torch.stack([proc.apply(logits[i:i + 1], PROMPT + o, [])[0] for i, o in enumerate(outputs)]).double()
-        return processed_probs(rows, 1.0, 0, 1.0, min_p)
-
-    p1 = probs([[]])[0]
-    p2_given = probs([[t] for t in range(VOCAB)])
-    p3_given = probs([[a, b] for a in range(VOCAB) for b in range(VOCAB)])
-    p2, p3 = p1 @ p2_given, (p1[:, None] * p2_given).reshape(-1) @ p3_given
+    p1, p2, p3, p2_given = processed_distributions(target, params[0])
     for pos, expected in enumerate((p1, p2, p3)):
         assert chi2_pvalue([o.token_ids[pos] for o in outs], expected) > 1e-4, pos
     # Each part matters: without the processing, or without min-p's mask, the second token's distribution is another.
     plain = exact_distributions(target, 1.0, 0, 1.0)
     assert (p2 - plain[1]).abs().max() > 0.05
-    assert (p2_given == 0).any(dim=1).all() and (p2 - p1 @ probs([[t] for t in range(VOCAB)], 0.0)).abs().max() > 0.02
+    assert (p2_given == 0).any(dim=1).all() and (p2 - processed_distributions(target, params[0], min_p=0.0)[1]).abs().max() > 0.02
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
     assert drafted > NUM_SAMPLES and sum(o.metrics.num_accepted_tokens for o in outs) > 0  # verified from drafts
