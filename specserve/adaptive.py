@@ -391,11 +391,6 @@ class SpeculationController:
                     state.probing, state.queued, state.settle = best, [best] * self._steps(best, current), False
                     return
                 state.current, switched = best, current is not None
-        if state.probing is None and state.current == TARGET_ONLY and self._all_lost(b, state):
-            # The warm-up measured every arm and each lost outright to target-only: it answered what the first
-            # probes would ask, so they start where lost probes would have left the gap (on the demo pair at
-            # batch 8 each early probe of k = 4 cost ~8% of a 190-step run, to lose again).
-            state.gap = max(state.gap, self.probe_every * PROBE_GAP)
         if state.probing is not None:  # a probe ended: the schedule adapts
             state.confirmed = 0 if switched else state.confirmed + 1
             if switched:
@@ -408,12 +403,6 @@ class SpeculationController:
                 lost = self._losing(b, state, PROBE_LOST)
                 state.gap = min(state.gap * 4, self.probe_every * PROBE_GAP_LOST) if lost else min(state.gap * 2, self.probe_every * PROBE_GAP)
         state.probing, state.settle = None, False
-
-    def _all_lost(self, b: int, state: _BucketState) -> bool:
-        """Whether every speculative arm measured in this bucket delivers under ``PROBE_LOST`` x target-only."""
-        plain = self.realized_rate(b, TARGET_ONLY)
-        rates = [self.realized_rate(b, a) for a in state.realized if a[0]]
-        return plain is not None and bool(rates) and all(r is not None and r < PROBE_LOST * plain for r in rates)
 
     def _inherited(self, b: int) -> Arm | None:
         """A new bucket's first arm from the settled buckets beside it, without a warm-up: speculation

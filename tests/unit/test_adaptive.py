@@ -160,18 +160,6 @@ def test_a_probe_that_loses_outright_ends_sooner_and_comes_back_more_rarely():
     assert 0 < sum(1 for a in late if a[0]) <= 3 * (2 + PROBE_LOST_CYCLES)  # still measuring, a few probes in 3,000 steps
 
 
-def test_a_warm_up_where_every_arm_lost_outright_counts_as_probes():
-    """Every speculative arm of the warm-up under PROBE_LOST x target-only: the first probe waits as long as
-    after lost probes; an arm within reach (0.75x) keeps the first probe as soon as ``probe_every``."""
-    def first_probe(seconds) -> int:
-        arms = run(SpeculationController(max_k=4, probe_every=16), 8, Pair(0.5, seconds), 800)
-        warm_up = next(i for i in range(len(arms)) if i > 15 and not any(a[0] for a in arms[i:i + 20]))
-        return next(i for i in range(warm_up, len(arms)) if arms[i][0]) - warm_up
-
-    assert first_probe(losing) >= 16 * PROBE_GAP - 20
-    assert first_probe(mildly_losing) <= 16 + 20
-
-
 def test_a_better_arm_found_later_takes_over():
     """Conditions change (the draft gets faster): the probes find it and the controller switches."""
     ctrl = SpeculationController(max_k=4, probe_every=16)
