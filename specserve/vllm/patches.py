@@ -155,9 +155,10 @@ def _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p) -> None:
         return
     temperature = expand(sampling_metadata.temperature, cu_num_draft_tokens, num_tokens,
                          replace_from=rejection_sampler.GREEDY_TEMPERATURE, replace_to=1)
-    probs = torch.softmax(logits[rows] / temperature[rows].unsqueeze(-1), dim=-1)
+    selected = logits[rows]  # [num_rows, vocab] (a copy: written back below)
+    probs = torch.softmax(selected / temperature[rows].unsqueeze(-1), dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True).mul_(per_row[rows].unsqueeze(-1))
-    logits[rows] = logits[rows].masked_fill(probs < threshold, float("-inf"))
+    logits[rows] = selected.masked_fill_(probs < threshold, float("-inf"))
 
 
 def apply_all() -> None:

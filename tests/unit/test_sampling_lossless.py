@@ -37,17 +37,25 @@ def small_vocab_pair(tmp_path_factory):
     return str(root / "t"), str(root / "d")
 
 
+def _enumerated(target_path, next_probs):
+    """p(t1), p(t2), p(t3), marginalised exactly over the earlier tokens, and p(t2 | t1) as a [VOCAB, VOCAB]
+    table; ``next_probs(logits, outputs)``: the next-token distributions after each output ([n, VOCAB] rows)."""
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float64).eval()
+
+    def probs(outputs: list[list[int]]) -> torch.Tensor:
+        with torch.no_grad():
+            return next_probs(model(torch.tensor([PROMPT + o for o in outputs])).logits[:, -1], outputs)
+
+    p1 = probs([[]])[0]
+    p2_given = probs([[t] for t in range(VOCAB)])  # [VOCAB, VOCAB]
+    p3_given = probs([[a, b] for a in range(VOCAB) for b in range(VOCAB)])  # [VOCAB * VOCAB, VOCAB]
+    joint12 = (p1[:, None] * p2_given).reshape(-1)  # p(t1, t2)
+    return p1, p1 @ p2_given, joint12 @ p3_given, p2_given
+
+
 def exact_distributions(target_path, temperature, top_k, top_p):
     """p(t1), p(t2) and p(t3), marginalised exactly over the earlier tokens."""
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float64).eval()
-    with torch.no_grad():
-        p1 = processed_probs(model(torch.tensor([PROMPT])).logits[0, -1:], temperature, top_k, top_p)[0]
-        ctx = torch.tensor([PROMPT + [t] for t in range(VOCAB)])
-        p2_given = processed_probs(model(ctx).logits[:, -1], temperature, top_k, top_p)  # [VOCAB, VOCAB]
-        ctx3 = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
-        p3_given = processed_probs(model(ctx3).logits[:, -1], temperature, top_k, top_p)  # [VOCAB * VOCAB, VOCAB]
-    joint12 = (p1[:, None] * p2_given).reshape(-1)  # p(t1, t2)
-    return p1, p1 @ p2_given, joint12 @ p3_given
+    return _enumerated(target_path, lambda logits, _: processed_probs(logits, temperature, top_k, top_p))[:3]
 
 
 def processed_distributions(target_path, params, min_p: float | None = None):
@@ -57,18 +65,12 @@ def processed_distributions(target_path, params, min_p: float | None = None):
     from specserve.logits_processing import SeqProcessor
 
     proc = SeqProcessor(params, PROMPT, VOCAB, set(), [])
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float64).eval()
 
-    def probs(outputs: list[list[int]]) -> torch.Tensor:  # the processed next-token distribution after each output
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + o for o in outputs])).logits[:, -1]
+    def next_probs(logits, outputs):
         rows = torch.stack([proc.apply(logits[i:i + 1], PROMPT + o, [])[0] for i, o in enumerate(outputs)]).double()
         return processed_probs(rows, 1.0, 0, 1.0, params.min_p if min_p is None else min_p)
 
-    p1 = probs([[]])[0]
-    p2_given = probs([[t] for t in range(VOCAB)])
-    p3_given = probs([[a, b] for a in range(VOCAB) for b in range(VOCAB)])
-    return p1, p1 @ p2_given, (p1[:, None] * p2_given).reshape(-1) @ p3_given, p2_given
+    return _enumerated(target_path, next_probs)
 
 
 def chi2_pvalue(samples, expected_probs):
