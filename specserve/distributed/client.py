@@ -105,28 +105,26 @@ class RayEngine:
         from tqdm.auto import tqdm
 
         param_dicts = [p.to_dict() for p in params]
-        try:
-            ray.get(self.target.validate.remote(list(zip(token_ids, param_dicts))))
-        except ray.exceptions.RayTaskError as exc:
-            raise unwrap(exc) from None
         window = max_in_flight or 2 * self.config.engine.max_num_seqs
         rids = [f"batch-{next(_ids)}-{uuid.uuid4().hex[:6]}" for _ in token_ids]
         index = {rid: i for i, rid in enumerate(rids)}
         outputs: list[RequestOutput | None] = [None] * len(token_ids)
-        # One streaming call: the target keeps the window full itself (a finished request is replaced
-        # before its engine's next step, not a round trip later from here).
+        # One streaming call: the target checks every request before it starts any, keeps the window full
+        # itself (a finished request is replaced before its engine's next step, not a round trip later from
+        # here) and sends the outputs finished since its last message together.
         stream = self.target.generate_many.options(num_returns="streaming").remote(
-            [list(r) for r in zip(rids, token_ids, param_dicts)], window)
+            [list(r) for r in zip(rids, token_ids, param_dicts)], window, True)
         with tqdm(total=len(token_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
                 for ref in stream:
                     try:
-                        d = ray.get(ref)
+                        finished = ray.get(ref)
                     except ray.exceptions.RayTaskError as exc:
                         raise unwrap(exc) from None
-                    i = index[d["request_id"]]
-                    outputs[i] = _output(d, texts[i], token_ids[i])
-                    bar.update(1)
+                    for d in finished:
+                        i = index[d["request_id"]]
+                        outputs[i] = _output(d, texts[i], token_ids[i])
+                    bar.update(len(finished))
             except BaseException:
                 ray.cancel(stream)  # (the target aborts what is left)
                 raise
