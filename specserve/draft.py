@@ -22,7 +22,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .messages import DraftBlock, DraftStats, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
+from .logits_processing import SeqProcessor
+from .messages import DraftBlock, DraftProcessing, DraftStats, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
 from .ngram import ngram_propose
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,17 @@ class DraftSeq:
     hidden: list = field(default_factory=list)  # [(first position, [rows, width] tensor)]: target rows a head has not read
     seeded: bool = False  # the request's own seed (a head keeps no speculation cache for it when sampled)
     rows_combined: bool = False  # the target sends a head's rows through its fc already (speculation.head_fc)
+    processing: DraftProcessing | None = None  # the target's processing beyond temperature / top-k / top-p, if any
+    _processor: tuple | None = None  # (logits width, its SeqProcessor), built on first use
+
+    def processor(self, width: int) -> SeqProcessor | None:
+        """The processing as a ``SeqProcessor`` over logits ``width`` wide (None: no processing)."""
+        if self.processing is None:
+            return None
+        if self._processor is None or self._processor[0] != width:
+            p = self.processing
+            self._processor = (width, SeqProcessor(p, self.token_ids[: p.prompt_len], width, set(p.stop_token_ids), p.bad_words))
+        return self._processor[1]
 
     @property
     def greedy(self) -> bool:
@@ -150,7 +162,7 @@ class DraftSide:
             self.close(msg.request_id)
         seq = DraftSeq(msg.request_id, f"{self.namespace}{msg.request_id}", list(msg.token_ids), msg.temperature,
                        msg.top_k, msg.top_p, msg.seed, vocab_limit=self.vocab_limit, seeded=msg.seeded,
-                       rows_combined=self.rows_combined)
+                       rows_combined=self.rows_combined, processing=msg.processing)
         if msg.hidden_states is not None:
             seq.hidden.append((len(msg.token_ids) - 1 - msg.hidden_states.shape[0], msg.hidden_states))
         self.drafter.open(seq)

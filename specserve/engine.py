@@ -123,7 +123,9 @@ class EngineCore(RequestQueue):
         hidden, s.open_hidden = s.open_hidden, None  # the prefill's rows go with the first open only
         if hidden is not None and hidden.shape[0] != len(s.token_ids) - 1:
             hidden = None  # (tokens were committed since: a resync; the head reads zeros for the gap)
-        return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed, hidden, seeded=p.seed is not None)
+        processing = s.processor.for_draft() if s.processor is not None else None
+        return OpenSeq(request_id, list(s.token_ids), p.temperature, p.top_k, p.top_p, s.seed, hidden, seeded=p.seed is not None,
+                       processing=processing)
 
     # -- one step -----------------------------------------------------------------------------
     def _admit(self, result: StepResult) -> list[str]:

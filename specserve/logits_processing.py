@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .messages import DraftProcessing
 from .sampling_params import SamplingParams
 
 
@@ -73,9 +74,10 @@ def check_token_ids(params: SamplingParams, vocab_size: int, tokenizer) -> None:
 
 
 class SeqProcessor:
-    """One sequence's processing, built once when it opens."""
+    """One sequence's processing, built once when it opens: on the target from its ``SamplingParams``,
+    on a draft from the ``DraftProcessing`` the target sent (``for_draft``; the same fields)."""
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], vocab_size: int,
+    def __init__(self, params: SamplingParams | DraftProcessing, prompt_token_ids: list[int], vocab_size: int,
                  stop_ids: set[int], bad_words: list[list[int]], grammar=None):
         self.params, self.prompt_len, self.vocab = params, len(prompt_token_ids), vocab_size
         self.grammar = grammar  # structured.SeqGrammar (structured outputs), or None
@@ -91,6 +93,16 @@ class SeqProcessor:
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
         if params.repetition_penalty != 1.0:
             self.in_prompt[torch.tensor([t for t in prompt_token_ids if t < vocab_size], dtype=torch.long)] = True
+
+    def for_draft(self) -> DraftProcessing | None:
+        """What of this processing a draft can apply to its proposals (all but a grammar); None: nothing."""
+        p = self.params
+        if not (p.logit_bias or p.allowed_token_ids is not None or self.bad_words or p.min_tokens or self.penalties):
+            return None
+        return DraftProcessing(self.prompt_len, [t for t, _ in p.logit_bias], [float(b) for _, b in p.logit_bias],
+                               list(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
+                               [list(w) for w in self.bad_words], p.min_tokens, self.stop_ids.tolist(), float(p.presence_penalty),
+                               float(p.frequency_penalty), float(p.repetition_penalty))
 
     def apply(self, logits: torch.Tensor, token_ids: list[int], drafts: list[int]) -> torch.Tensor:
         """``logits``: [width, vocab] rows after ``token_ids`` (prompt + committed output) and

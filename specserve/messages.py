@@ -24,7 +24,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 4  # 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
+PROTOCOL_VERSION = 5  # 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
 
 
 class ProtocolError(ValueError):
@@ -58,6 +58,34 @@ class HelloReply:
 
 
 @dataclass(frozen=True)
+class DraftProcessing:
+    """What the target does to its distribution beyond temperature, top-k and top-p (penalties,
+    ``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``; not a grammar), for the
+    draft to do to its own proposals: only acceptance rests on it, never exactness."""
+
+    prompt_len: int  # where the output starts in the sequence's tokens (penalties, min_tokens)
+    bias_token_ids: list[int] = field(default_factory=list)
+    bias_values: list[float] = field(default_factory=list)  # [len(bias_token_ids)]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[list[int]] = field(default_factory=list)  # as token ids: the last is masked after the rest
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # masked while the output is shorter than min_tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def logit_bias(self) -> list[tuple[int, float]]:  # (as ``SamplingParams.logit_bias``, which ``SeqProcessor`` reads)
+        return list(zip(self.bias_token_ids, self.bias_values))
+
+    def __post_init__(self) -> None:
+        if len(self.bias_token_ids) != len(self.bias_values):
+            raise ValueError(f"{len(self.bias_token_ids)} bias_token_ids but {len(self.bias_values)} bias_values")
+        if self.prompt_len < 0 or self.min_tokens < 0 or not self.repetition_penalty > 0:
+            raise ValueError("prompt_len and min_tokens must be >= 0 and repetition_penalty > 0")
+
+
+@dataclass(frozen=True)
 class OpenSeq:
     request_id: str
     token_ids: list[int]  # [num_tokens]: the whole committed sequence (prompt, or prompt + output on resync)
@@ -69,6 +97,7 @@ class OpenSeq:
     # len(token_ids) - 1 - num_rows .. len(token_ids) - 2 (what an EAGLE head reads; None for other drafts)
     hidden_states: torch.Tensor | None = None
     seeded: bool = False  # the request's own seed: its draws may not depend on speculation-cache hits
+    processing: DraftProcessing | None = None  # None: nothing beyond temperature, top-k and top-p
 
 
 @dataclass(frozen=True)
@@ -175,9 +204,14 @@ _CHECKS = {
     "str | None": lambda v: v is None or isinstance(v, str),
     "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "list[float]": lambda v: isinstance(v, list) and all(_is_num(x) for x in v),
+    "list[int] | None": lambda v: v is None or (isinstance(v, list) and all(_is_int(x) for x in v)),
+    "list[list[int]]": lambda v: isinstance(v, list) and all(isinstance(w, list) and all(_is_int(x) for x in w) for w in v),
     "list[str] | None": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
 }
-_NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock, "stats": DraftStats}
+_NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock, "stats": DraftStats,
+           "processing": DraftProcessing}
+_SINGLE = ("stats", "processing")  # one nested message (the others: lists of them); processing may be None
 MESSAGE_TYPES = {
     cls.__name__: cls
     for cls in (Challenge, Hello, HelloReply, OpenSeq, VerifyResult, CloseSeq, ProposeRequest, DraftBlock, DraftStats, ProposeReply)
@@ -189,7 +223,10 @@ def _to_wire(msg) -> dict:
     for f in fields(msg):
         value = getattr(msg, f.name)
         if f.name in _NESTED:
-            value = _to_wire(value) if f.name == "stats" else [_to_wire(v) for v in value]
+            if f.name in _SINGLE:
+                value = None if value is None else _to_wire(value)
+            else:
+                value = [_to_wire(v) for v in value]
         elif isinstance(value, np.ndarray):
             value = {"dtype": value.dtype.str, "shape": list(value.shape), "data": value.tobytes()}
         elif isinstance(value, torch.Tensor):  # hidden states, in their own dtype (bfloat16 has no numpy twin)
@@ -240,8 +277,8 @@ def _from_wire(cls, body):
     for name, value in body.items():
         kind = declared[name].type
         if name in _NESTED:
-            if name == "stats":
-                value = _from_wire(DraftStats, value)
+            if name in _SINGLE:
+                value = None if value is None and name == "processing" else _from_wire(_NESTED[name], value)
             elif isinstance(value, list):
                 value = [_from_wire(_NESTED[name], v) for v in value]
             else:

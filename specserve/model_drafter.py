@@ -77,15 +77,21 @@ class ModelDrafter:
         self.backend.truncate(seq.key, num_tokens)
 
     # -- helpers ----------------------------------------------------------------------------
-    def _choose(self, seqs: list[DraftSeq], logits: torch.Tensor, positions: list[int], want_cands: bool):
+    def _choose(self, seqs: list[DraftSeq], logits: torch.Tensor, positions: list[int], want_cands: bool,
+                prefixes: list[list[int]] | None = None):
         """One draft token per row at the given positions, plus (optionally) each row's candidates.
 
         logits: [rows, vocab]. Greedy rows (and every row when probabilities are not sent:
         a point mass must be deterministic) take the argmax; sampled rows draw from q with the
         uniform keyed by (seed, position). Ids the target cannot emit (a wider draft LM head)
-        are masked first, so q is exactly what the drafts are drawn from.
+        are masked first, and a sequence's processing (penalties, ``logit_bias``, ...: what the
+        target does to its own distribution) is applied to its rows, with the tokens each row
+        follows (``prefixes``; default: the committed tokens and the block so far), so q is
+        exactly what the drafts are drawn from.
         """
         logits = self._mask_beyond_target(seqs, logits)
+        if any(s.processing is not None for s in seqs):
+            logits = self._process(seqs, logits, prefixes)
         tokens = logits.argmax(dim=-1)
         probs_out: list[np.ndarray | None] = [None] * len(seqs)
         sampled = [i for i, s in enumerate(seqs) if not s.greedy and self.send_probs]
@@ -122,6 +128,18 @@ class ModelDrafter:
         else:
             for row, limit in enumerate(limits):
                 logits[row, limit:] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _process(seqs: list[DraftSeq], logits: torch.Tensor, prefixes: list[list[int]] | None) -> torch.Tensor:
+        """The rows of sequences with processing, processed as the target processes its own (for
+        acceptance only: the target verifies against its processed distribution whatever q is)."""
+        logits = logits.clone()
+        for row, s in enumerate(seqs):
+            processor = s.processor(logits.shape[-1])
+            if processor is not None:
+                prefix = prefixes[row] if prefixes is not None else s.token_ids + s.block
+                logits[row] = processor.apply(logits[row : row + 1], prefix, [])[0].to(logits.dtype)
         return logits
 
     def _time(self, start: float, rows: int) -> None:
@@ -348,7 +366,12 @@ class ModelDrafter:
                     flat_rows.append((i, b))
                     positions.append(starts[i][b] + d + 1)
             index = torch.tensor([i * lanes + b for i, b in flat_rows])
-            picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True)
+            prefixes = None
+            if any(s.processing is not None for s in seqs):  # each branch's row follows its own verdict and drafts
+                prefixes = [seqs[i].token_ids + seqs[i].block[: roots[i][b][0]] + [roots[i][b][1]] + branches[i][b].token_ids
+                            if seqs[i].processing is not None else None for i, b in flat_rows]
+            picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True,
+                                                prefixes=prefixes)
             for n, (i, b) in enumerate(flat_rows):
                 br = branches[i][b]
                 br.token_ids.append(picked[n])

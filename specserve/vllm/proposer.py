@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from ..adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
 from ..config import resolve_model
 from ..devices import placement
-from ..messages import Hello, OpenSeq, VerifyResult
+from ..messages import DraftProcessing, Hello, OpenSeq, VerifyResult
 from ..pool import DraftPool
 from . import link as links
 from . import patches
@@ -307,7 +307,24 @@ class RemoteDraftProposer:
         # Greedy drafts (point masses). A head gets the held rows when they end where the tokens do (at an
         # open; a later re-open may hold rows of tokens not yet told, and the head reads zeros instead).
         rows = self._take_rows(rid) if self.hidden_layers is not None else None
-        return OpenSeq(rid, list(seq.token_ids), hidden_states=rows if seq.length == len(seq.token_ids) else None)
+        return OpenSeq(rid, list(seq.token_ids), hidden_states=rows if seq.length == len(seq.token_ids) else None,
+                       processing=self._processing(rid))
+
+    def _processing(self, rid: str) -> DraftProcessing | None:
+        """What vLLM does to this request's distribution beyond temperature / top-k / top-p, for the draft
+        to do to its proposals (acceptance only: vLLM verifies against its own processed distribution)."""
+        state = getattr(self.runner, "requests", {}).get(rid)
+        p = getattr(state, "sampling_params", None)
+        try:
+            bias, bad = dict(p.logit_bias or {}), list(p.bad_words_token_ids or [])
+            allowed, penalties = p.allowed_token_ids, (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+            if not (bias or allowed or bad or p.min_tokens or penalties != (0.0, 0.0, 1.0)):
+                return None
+            return DraftProcessing(int(state.num_prompt_tokens), [int(t) for t in bias], [float(b) for b in bias.values()],
+                                   [int(t) for t in allowed] if allowed else None, [[int(t) for t in w] for w in bad],
+                                   int(p.min_tokens), sorted(int(t) for t in p.all_stop_token_ids), *map(float, penalties))
+        except (AttributeError, TypeError, ValueError):  # no request state, or a vLLM whose state reads otherwise
+            return None
 
     def _open(self, rid: str, token_ids: list[int]) -> _Seq:
         seq = self.seqs[rid] = _Seq(token_ids, len(token_ids), seeded=self._seeded_sampled(rid))

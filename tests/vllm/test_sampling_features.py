@@ -104,3 +104,25 @@ def test_the_features_change_the_output(reference):
     allowed = set(CASES["allowed_and_bad_words"]["allowed_token_ids"])
     assert all(set(t) <= allowed and 292 not in t and 367 not in t for t in reference["allowed_and_bad_words"])
     assert all(len(t) >= 30 for t in reference["min_tokens"])
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_the_draft_applies_the_processing_to_its_proposals(ray_cluster, reference, backend):
+    """The target drafting for itself: with the processing applied on the draft side too (penalties, bias,
+    allowed tokens, bad words, min_tokens), its proposals are the target's own greedy tokens and every one
+    is accepted (without it, a bias the draft does not know rejects nearly all of them)."""
+    options = {"target_backend_options": VLLM_OPTIONS} if backend == "vllm" else {}
+    llm = LLM(TARGET, draft=TARGET, ray=True, target_backend=backend, num_speculative_tokens=4, adaptive=False,
+              target_num_cpus=0.5, draft_num_cpus=0.5, draft_min_timeout_s=5.0, **options)
+    try:
+        for case in ("logit_bias", "penalties", "min_tokens", "allowed_and_bad_words"):
+            p = params(case)
+            if "logit_bias" in p:
+                p["logit_bias"] = tuple(p["logit_bias"].items())
+            outs = llm.generate(PROMPTS, SamplingParams(**p), use_tqdm=False)
+            assert [list(o.token_ids) for o in outs] == reference[case], case
+            drafted = sum(o.metrics.num_draft_tokens for o in outs)
+            assert drafted > 0, case
+            assert sum(o.metrics.num_accepted_tokens for o in outs) == drafted, case
+    finally:
+        llm.shutdown()
