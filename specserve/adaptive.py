@@ -10,7 +10,7 @@ cycles after a switch still pay for it; cycles over 3 x the window's median are 
 runs the best arm and, every ``probe_every`` choices of the bucket (backing off to ``PROBE_GAP`` x
 that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once they lose
 outright), probes a neighbour for ``probe_len`` steps (three times that between speculating and
-not; cut short once it measures under ``PROBE_CUT`` x the current arm, sooner under
+not; cut short once it scores under ``PROBE_CUT`` x the current arm (``_score``), sooner under
 ``PROBE_LOST`` x): k - 1, k + 1, the other mode, or target-only, the least recently measured
 first; a bucket's first choices run a fixed set of arms (``warmup_arms``) so each has a rate,
 unless a settled bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
@@ -219,12 +219,16 @@ class SpeculationController:
             state.queued, state.settle = [], True  # the next choice settles (back on the current arm)
 
     def _losing(self, b: int, state: _BucketState, fraction: float) -> bool:
-        """Whether the arm being probed measures under ``fraction`` times the current arm's rate: a probe
-        that cannot win stops there (one far behind stops sooner). Its steps are the costliest a settled
-        bucket runs (at batch 32 on the demo pair a probe into speculation ran 15 steps at 1.6-1.9 x a
-        plain step's time, and a run with one probe was ~5% slower than one with none; at batch 8 a
-        probe of k = 4 ran its cycles at 3.9 x a plain one's time for 2.75 x the tokens)."""
-        probe, current = self.realized_rate(b, state.probing), self.realized_rate(b, state.current) if state.current else None
+        """Whether the arm being probed scores under ``fraction`` times the current arm (``_score``: the
+        rates ``_settle`` decides by, a speculative arm's discounted): a probe that cannot win stops
+        there (one far behind stops sooner). Its steps are the costliest a settled bucket runs (at batch
+        32 on the demo pair a probe into speculation ran 15 steps at 1.6-1.9 x a plain step's time, and
+        a run with one probe was ~5% slower than one with none; at batch 8 a probe of k = 4 ran its
+        cycles at 3.9 x a plain one's time for 2.75 x the tokens). Measured on raw rates, a probe of
+        target-only from a speculative arm 5-10% ahead was cut as losing, then extended by ``_settle``
+        as winning on scores, cut again, ...: at batch 8 on the demo pair it alternated 4 target-only
+        cycles at 2 x a steady one's time with single speculative ones."""
+        probe, current = self._score(b, state.probing), self._score(b, state.current) if state.current else None
         return probe is not None and current is not None and probe < fraction * current
 
     def _prefill_cost(self, state: _BucketState) -> float:

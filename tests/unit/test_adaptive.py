@@ -276,3 +276,23 @@ def test_target_only_is_not_probed_while_speculation_far_outruns_it():
     assert len({a for a in arms[100:]}) > 1  # neighbours still probed
     worse = run(ctrl, 8, Pair(0.02, lambda a: 0.06 * (1 + 0.3 * bool(a[0]))), 1500, seed=1)
     assert settled(worse) == TARGET_ONLY
+
+
+def test_a_probe_is_cut_by_the_scores_the_choice_is_made_by():
+    """A probe of target-only from a speculative arm 6% ahead on raw rates: target-only scores higher
+    (speculation must win by ``SPECULATION_MARGIN``), so the probe runs on and settles it; a raw
+    comparison cut it as losing, and the settle then extended it as winning, over and over. 20% ahead,
+    target-only is cut."""
+    from specserve.adaptive import _BucketState
+
+    for plain_s, cut in ((0.0106, False), (0.0125, True)):  # target-only at 0.94 x and 0.8 x the arm's rate
+        ctrl = SpeculationController(max_k=4)
+        state = ctrl.buckets[8] = _BucketState(8, gap=32)
+        state.current = (4, True)
+        for _ in range(16):
+            ctrl.observe_cycle(8, 16, 0.020, (4, True))  # 2 tokens a sequence in 20 ms: 100 tokens/s each
+        state.probing, state.queued = TARGET_ONLY, [TARGET_ONLY] * 14
+        for _ in range(2 + PROBE_CUT_CYCLES):  # (the first two after the switch are not measured)
+            ctrl.observe_cycle(8, 8, plain_s, TARGET_ONLY)
+            state.queued = state.queued[1:] if state.queued else state.queued
+        assert (not state.queued) is cut, plain_s
