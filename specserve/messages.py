@@ -83,6 +83,8 @@ class DraftProcessing:
             raise ValueError(f"{len(self.bias_token_ids)} bias_token_ids but {len(self.bias_values)} bias_values")
         if self.prompt_len < 0 or self.min_tokens < 0 or not self.repetition_penalty > 0:
             raise ValueError("prompt_len and min_tokens must be >= 0 and repetition_penalty > 0")
+        if not all(self.bad_words):
+            raise ValueError("bad_words must not hold an empty word")
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ def test_processing_crosses_the_wire():
     ({"prompt_len": -1}, "prompt_len"),
     ({"prompt_len": 1, "bad_words": [[1, "x"]]}, "bad_words"),
     ({"prompt_len": 1, "repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"prompt_len": 1, "bad_words": [[3], []]}, "empty word"),
     ({"bias_token_ids": []}, "bad DraftProcessing"),
 ])
 def test_malformed_processing_is_a_protocol_error(bad, match):
