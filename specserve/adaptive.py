@@ -387,6 +387,16 @@ class SpeculationController:
         # After a probe only the probed arm's measurement is fresh (the others' may predate a change);
         # after the warm-up every arm's is.
         best = self._best(b, state, cache, None if state.probing is None else [current, state.probing])
+        if current is None and best is not None and best[0] and TARGET_ONLY in state.realized:
+            # The warm-up's best speculative arm is the best of six measured on three cycles each, with
+            # modelled tokens at small batches: it flatters itself. It runs from target-only as a probe,
+            # measured afresh (and cut when it loses), before the bucket adopts it: on the demo pair at
+            # batch 8 a few cycles of the first run rated k = 2 (drafting misses) at 165 tokens/s a
+            # sequence against 118 for target-only, and the bucket ran k = 2-3 at 76-85 for the next run.
+            state.current = TARGET_ONLY
+            state.realized.pop(best, None)
+            state.probing, state.queued, state.settle = best, [best] * self._steps(best, TARGET_ONLY), False
+            return
         switched = False
         if best is not None and best != current:
             rate_best, rate_current = self._score(b, best), self._score(b, current) if current else None

@@ -296,3 +296,25 @@ def test_a_probe_is_cut_by_the_scores_the_choice_is_made_by():
             ctrl.observe_cycle(8, 8, plain_s, TARGET_ONLY)
             state.queued = state.queued[1:] if state.queued else state.queued
         assert (not state.queued) is cut, plain_s
+
+
+def test_the_warm_ups_best_speculative_arm_is_measured_again_before_it_is_adopted():
+    """A warm-up measures each speculative arm on a few cycles, and the best of them flatters itself:
+    here k = 2 (drafting misses) ran its warm-up cycles fast, then runs at a third of target-only's rate.
+    It is probed afresh from target-only, cut when it loses, and the bucket stays on target-only (adopted
+    on the warm-up's word, it ran until the first probe, 32 choices later)."""
+    calls = {}
+
+    def seconds(arm):
+        calls[arm] = calls.get(arm, 0) + 1
+        if arm == TARGET_ONLY:
+            return 0.010
+        return 0.008 if arm == (2, False) and calls[arm] <= 5 else 0.030
+
+    ctrl = SpeculationController(max_k=4)
+    warmup = sum(ctrl._steps(a, (4, True)) for a in ctrl.warmup_arms(True))
+    arms = run(ctrl, 8, Pair(0.7, seconds), warmup + 200)
+    after = arms[warmup:warmup + 40]
+    assert (2, False) in after  # measured again ...
+    assert after.count((2, False)) <= 2 + PROBE_CUT_CYCLES  # ... and cut once it loses
+    assert settled(arms, tail=100) == TARGET_ONLY
