@@ -12,8 +12,9 @@ that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once th
 outright), probes a neighbour for ``probe_len`` steps (three times that between speculating and
 not; cut short once it scores under ``PROBE_CUT`` x the current arm (``_score``), sooner under
 ``PROBE_LOST`` x): k - 1, k + 1, the other mode, or target-only, the least recently measured
-first; a bucket's first choices run a fixed set of arms (``warmup_arms``) so each has a rate,
-unless a settled bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
+first; a bucket's first choices run a fixed set of arms (``warmup_arms``) so each has a rate (the
+best speculative one then runs as a probe from target-only, measured afresh, before the bucket adopts
+it), unless a settled bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
 is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
 and output handling) with nothing modelled, which is what makes the choice hold on both target
@@ -391,8 +392,8 @@ class SpeculationController:
             # The warm-up's best speculative arm is the best of six measured on three cycles each, with
             # modelled tokens at small batches: it flatters itself. It runs from target-only as a probe,
             # measured afresh (and cut when it loses), before the bucket adopts it: on the demo pair at
-            # batch 8 a few cycles of the first run rated k = 2 (drafting misses) at 165 tokens/s a
-            # sequence against 118 for target-only, and the bucket ran k = 2-3 at 76-85 for the next run.
+            # batch 8 the untimed first run rated k = 2 (drafting misses) at 165 tokens/s a
+            # sequence against 118 for target-only, and the bucket ran k = 3 at 76-85 for the next run.
             state.current = TARGET_ONLY
             state.realized.pop(best, None)
             state.probing, state.queued, state.settle = best, [best] * self._steps(best, TARGET_ONLY), False
