@@ -1,9 +1,11 @@
 """Demo pair, batch 8, two-device harness: what the controller's cycles say vs what the runs deliver.
 
 A scratch script of stop 45, kept with its output (trace_b8.json): from the repository root,
-``PYTHONPATH=. python benchmarks/results/2026-11-27/stop45_controller_b8/b8trace.py [batch]`` (~4 min); it writes
-b8trace_<batch>.json in the working directory. vLLM target-only and specserve (defaults, ``SPECSERVE_TRACE=1``) in one
-cluster, one untimed run each, then four runs alternating; per specserve run, the controller's cycles by arm.
+``PYTHONPATH=. python benchmarks/results/2026-11-27/stop45_controller_b8/b8trace.py [batch] [--full]`` (~4 min); it
+writes b8trace_<batch>.json in the working directory. vLLM target-only and specserve (defaults, ``SPECSERVE_TRACE=1``) in
+one cluster, one untimed run each, then four runs alternating; per specserve run, the controller's cycles by arm, and
+with ``--full`` (stop 46; written to full_<batch>.json) its whole trace: batch, tokens, ms, arm, pure, prompt tokens per
+cycle.
 """
 import json
 import statistics
@@ -18,7 +20,9 @@ if __name__ == "__main__":
 
     target, draft = resolve_model("demo:target"), resolve_model("demo:draft")
     THREAD_ENV["SPECSERVE_TRACE"] = "1"
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    full = "--full" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--full"]
+    batch = int(args[0]) if args else 8
     prompts, _ = heldout_prompts(target, max(24, 3 * batch), 32)
     options = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
     with local_cluster(two_device=True):
@@ -48,6 +52,8 @@ if __name__ == "__main__":
                         line["arms"][a]["share_time"] = round(line["arms"][a]["share_time"] / tot, 3)
                     line["realized"] = spec.get("realized_tokens_per_s")
                     line["k"] = spec.get("k")
+                    if full:
+                        line["trace"] = tr
                 print(json.dumps(line), flush=True)
                 out.append(line)
-        json.dump(out, open(f"b8trace_{batch}.json", "w"), indent=1)
+        json.dump(out, open(f"{'full' if full else 'b8trace'}_{batch}.json", "w"), indent=1)
