@@ -292,13 +292,17 @@ class TargetWorker:
             return {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
 
     # -- requests -------------------------------------------------------------------------------
-    def validate(self, requests: list) -> None:
-        """Raise ``ValueError`` for the first bad (token_ids, params) pair, naming its index."""
+    def validate(self, requests: list) -> list[SamplingParams]:
+        """Each (token_ids, params dict) pair's ``SamplingParams``; ``ValueError`` for the first bad pair,
+        naming its index."""
+        out = []
         for i, (token_ids, params) in enumerate(requests):
             try:
-                self.loop.core.validate(token_ids, SamplingParams(**params))
+                out.append(SamplingParams(**params))
+                self.loop.core.validate(token_ids, out[-1])
             except ValueError as exc:
                 raise ValueError(f"request {i}: {exc}") from None
+        return out
 
     async def stream(self, request_id: str, token_ids: list[int], params: dict):
         """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True."""
@@ -320,8 +324,7 @@ class TargetWorker:
         first (``ValueError`` naming the first bad one, nothing started). Stopping the stream aborts the rest."""
         import asyncio
 
-        if validate:
-            self.validate([(ids, p) for _, ids, p in requests])
+        params = self.validate([(ids, p) for _, ids, p in requests]) if validate else [SamplingParams(**p) for _, _, p in requests]
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         outs = {rid: RequestOutput(rid, None, list(ids)) for rid, ids, _ in requests}
 
@@ -332,7 +335,7 @@ class TargetWorker:
                     return
             loop.call_soon_threadsafe(events.put_nowait, (rid, item))
 
-        stop = self.loop.submit_window([(rid, list(ids), SamplingParams(**p)) for rid, ids, p in requests], max_in_flight, deliver,
+        stop = self.loop.submit_window([(rid, list(ids), sp) for (rid, ids, _), sp in zip(requests, params)], max_in_flight, deliver,
                                        lambda rid: setattr(outs[rid], "arrival_time", time.time()))
         try:
             while outs:
