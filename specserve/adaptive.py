@@ -436,9 +436,10 @@ class SpeculationController:
 
     def _candidates(self, state: _BucketState, cache: bool) -> list[Arm]:
         """The current arm's neighbours: k - 1, k + 1, the other mode and target-only (from target-only:
-        the best speculative arm measured). Target-only is left out while the current arm's measured
-        rate is over ``PROBE_BEATEN`` times its last measured one: a probe of it costs the most then
-        (the longest probe, at a fraction of the rate) and cannot win; the current arm is measured all
+        the best speculative arm measured), and the best-rated speculative arm when it is rated above the
+        current one. Target-only is left out while the current arm's measured rate is over
+        ``PROBE_BEATEN`` times its last measured one: a probe of it costs the most then (the longest
+        probe, at a fraction of the rate) and cannot win; the current arm is measured all
         the time, so a fall in acceptance brings the probes back."""
         k, mode = state.current or (self.max_k, cache)
         if k == 0:
@@ -451,6 +452,15 @@ class SpeculationController:
         plain, current = self.realized_rate(state.bucket, TARGET_ONLY), self.realized_rate(state.bucket, (k, mode))
         if plain is None or current is None or current <= PROBE_BEATEN * plain or not candidates:
             candidates.insert(0, TARGET_ONLY)
+        # Beyond the neighbours: a speculative arm rated above the current one (by the hysteresis) that
+        # no neighbour's probe would reach. On the demo pair at batch 1 the bucket adopted k = 4 on its
+        # warm-up's word and measured it at 207 tokens/s a sequence for two whole runs, while k = 1 stayed
+        # rated at 265-286 from the warm-up and was never measured again: from k = 4 only k = 3 was.
+        scores = {a: s for a in state.realized if a[0] and a != (k, mode) and a not in candidates and (cache or not a[1])
+                  if (s := self._score(state.bucket, a)) is not None}
+        mine = self._score(state.bucket, (k, mode))
+        if scores and mine is not None and max(scores.values()) > mine * (1 + self.hysteresis):
+            candidates.append(max(scores, key=scores.get))
         return candidates
 
     def _next_probe(self, b: int, state: _BucketState, cache: bool) -> Arm | None:

@@ -318,3 +318,28 @@ def test_the_warm_ups_best_speculative_arm_is_measured_again_before_it_is_adopte
     assert (2, False) in after  # measured again ...
     assert after.count((2, False)) <= 2 + PROBE_CUT_CYCLES  # ... and cut once it loses
     assert settled(arms, tail=100) == TARGET_ONLY
+
+
+def test_an_arm_rated_above_the_current_one_is_measured_again_though_no_neighbour_leads_to_it():
+    """Probes go to the current arm's neighbours, and the best-rated arm beyond them: here k = 4 (drafting
+    misses) ran fast through its warm-up and its first probe, and was adopted; it then runs at 138 tokens/s
+    a sequence while k = 1, rated 200 in the warm-up, is the best arm. Its neighbours k = 3, the cache-only
+    k = 4 and target-only all lose to it, so probing them alone never leaves it (the demo pair at batch 1:
+    k = 4 at 207 for two whole runs, k = 1 rated 265-286 and never measured again)."""
+    calls = {}
+
+    def seconds(arm):
+        calls[arm] = calls.get(arm, 0) + 1
+        if arm == TARGET_ONLY:
+            return 0.010
+        k, cache_only = arm
+        if cache_only:
+            return 0.030
+        if k == 4:
+            return 0.008 if calls[arm] <= 30 else 0.020
+        return {1: 0.0085, 2: 0.018, 3: 0.022}[k]
+
+    ctrl = SpeculationController(max_k=4)
+    arms = run(ctrl, 8, Pair(0.7, seconds), 600)
+    assert (4, False) in arms[:100]  # (it was adopted: what makes the case)
+    assert settled(arms, tail=200) == (1, False)

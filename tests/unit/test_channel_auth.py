@@ -103,7 +103,7 @@ def test_a_target_with_the_secret_is_served(tiny_pair, reference):
     (None, TOKEN, "this draft requires a token"),
     ("wrong", TOKEN, "authentication failed"),
     (TOKEN, None, "could not prove it holds this target's token"),  # the target checks the draft too
-])
+], ids=["target-has-none", "target-has-a-wrong-one", "draft-has-none"])  # (named: the token is random per process)
 def test_without_the_right_secret_nothing_is_opened(tiny_pair, reference, target_token, draft_token, why):
     server = server_for(tiny_pair, token=draft_token)
     try:
