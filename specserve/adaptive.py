@@ -456,11 +456,10 @@ class SpeculationController:
         # no neighbour's probe would reach. On the demo pair at batch 1 the bucket adopted k = 4 on its
         # warm-up's word and measured it at 207 tokens/s a sequence for two whole runs, while k = 1 stayed
         # rated at 265-286 from the warm-up and was never measured again: from k = 4 only k = 3 was.
-        scores = {a: s for a in state.realized if a[0] and a != (k, mode) and a not in candidates and (cache or not a[1])
-                  if (s := self._score(state.bucket, a)) is not None}
+        beyond = self._best(state.bucket, state, cache, [a for a in state.realized if a[0] and a != (k, mode) and a not in candidates])
         mine = self._score(state.bucket, (k, mode))
-        if scores and mine is not None and max(scores.values()) > mine * (1 + self.hysteresis):
-            candidates.append(max(scores, key=scores.get))
+        if beyond is not None and mine is not None and self._score(state.bucket, beyond) > mine * (1 + self.hysteresis):
+            candidates.append(beyond)
         return candidates
 
     def _next_probe(self, b: int, state: _BucketState, cache: bool) -> Arm | None:
