@@ -174,6 +174,7 @@ class SpecserveRunner:
                 "num_drafts": sum(o.metrics.num_drafts for o in outs), "num_draft_tokens": sum(o.metrics.num_draft_tokens for o in outs),
                 "num_accepted_tokens": sum(o.metrics.num_accepted_tokens for o in outs),
                 "num_blocks": d("num_blocks"), "num_cache_hits": d("num_cache_hits"), "num_speculative_steps": d("num_proposals"),
+                "num_tree_blocks": (after.get("drafts") or {}).get("num_tree_blocks", 0) - (before.get("drafts") or {}).get("num_tree_blocks", 0),
                 "verify_ms": t["verify_s"] / verify * 1e3, "draft_wait_ms": t["draft_wait_s"] / spec * 1e3,
                 "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3, "overhead_ms": t["specserve_s"] / steps * 1e3,
                 "draft_compute_s": t["draft_compute_s"], "hidden_bytes": d("hidden_bytes"),
@@ -223,6 +224,8 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
     out["specserve own engine"] = lambda: SpecserveRunner(target, draft, common, options, own_engine=True)
     if args.systems and "specserve niceness 15" in args.systems:  # opt-in A/B: the sides as Ray starts its workers
         out["specserve niceness 15"] = lambda: SpecserveRunner(target, draft, {**common, "normal_priority": False}, options)
+    if args.systems and "specserve no-trees" in args.systems:  # opt-in A/B: every step waits for the draft's reply
+        out["specserve no-trees"] = lambda: SpecserveRunner(target, draft, {**common, "draft_trees": False}, options)
     if not args.quick:
         out[f"specserve k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options)
         out["specserve no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options)
@@ -398,7 +401,7 @@ def main(argv=None) -> dict:
         else:
             p.error(f"unknown pair {name!r}: demo, realistic or demo-eagle")
     if args.systems:  # a misspelt name would otherwise run nothing for it, silently
-        known = {"specserve niceness 15"}.union(*(systems(args, *pair, head=name.endswith("eagle")) for name, pair in pairs.items()))
+        known = {"specserve niceness 15", "specserve no-trees"}.union(*(systems(args, *pair, head=name.endswith("eagle")) for name, pair in pairs.items()))
         unknown = [x for x in args.systems if x not in known]
         if unknown:
             p.error(f"unknown system(s) {unknown} for pairs {list(pairs)}: choose from {sorted(known)}")

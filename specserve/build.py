@@ -152,7 +152,7 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
             discover=link.discover, connect=link.connect,
             hello=Hello(link.target_id, target.vocab_fingerprint(), {**link.hello_info, **target.hidden_info()}),
             reopen=core.reopen, min_timeout_s=spec.draft_min_timeout_s, max_timeout_s=spec.draft_timeout_s,
-            background=link.background, keep_hidden=target.keep_hidden,
+            background=link.background, keep_hidden=target.keep_hidden, trees=spec.draft_trees,
         )
     loop = EngineLoop(core, name=name)
     freeze_heap()

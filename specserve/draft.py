@@ -23,7 +23,8 @@ from typing import Callable, Protocol
 import numpy as np
 
 from .logits_processing import SeqProcessor
-from .messages import DraftBlock, DraftProcessing, DraftStats, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
+from .messages import (MAX_TREE_BRANCHES, DraftBlock, DraftProcessing, DraftStats, DraftTree, OpenSeq, ProposeReply, ProposeRequest,
+                       SeqTree, VerifyResult)
 from .ngram import ngram_propose
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class DraftSide:
         self._behind: list[DraftSeq] = []  # sequences given tokens without a block: prepare() feeds them
         self._budget_s = 0.0  # the target's estimate of the time until its next request
         self._recent_k = 0  # the k last asked: a new sequence's first block when its open comes with no ask
+        self._tree_seqs: list[DraftSeq] = []  # the sequences of the last request with ``tree`` set (``tree``)
 
     def open(self, msg: OpenSeq) -> None:
         if msg.request_id in self.seqs:  # re-open (resync): start from the target's tokens
@@ -242,6 +244,7 @@ class DraftSide:
         if k:  # (a push asks nothing and sends no budget: its first blocks take the last ones)
             self._recent_k, self._budget_s = k, req.budget_s
         self._proposed += self._first_blocks(req, asked, k or self._recent_k)
+        self._tree_seqs = list(self._proposed) if req.tree else []
         step = self.drafter.step_time(max(1, len(seqs)))
         hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
         stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,
@@ -262,6 +265,24 @@ class DraftSide:
                 s.new_block(k)
                 fresh.append(s)
         return fresh
+
+    def tree(self, step: int, elapsed_s: float = 0.0) -> DraftTree:
+        """The speculation cache of the last ``tree`` request's greedy sequences, as it stands (call it once
+        drafting ahead stops: the next request's blocks come from exactly this cache). Each branch is cut
+        where ``propose`` would cut it, at the draft's context."""
+        trees = []
+        for s in self._tree_seqs:
+            if self.seqs.get(s.request_id) is not s or not s.greedy:
+                continue
+            accepted, tokens, branches = [], [], []
+            for (j, token), branch in list(s.cache.items())[:MAX_TREE_BRANCHES]:
+                room = len(branch.token_ids) if self.max_len is None else self.max_len - (s.block_base + j + 1)
+                accepted.append(j)
+                tokens.append(token)
+                branches.append(list(branch.token_ids[:max(0, min(room, 64))]))
+            trees.append(SeqTree(s.request_id, s.block_base, accepted, tokens, branches))
+        self._tree_seqs = []
+        return DraftTree(step, trees, elapsed_s)
 
     def prepare(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Work for the next request, off the critical path (the speculation cache)."""

@@ -5,7 +5,9 @@ connection's ``Hello`` to ``hello`` (vocabulary check by fingerprint: the draft 
 target whose token ids mean other tokens; whether to draft ahead for it, from where each side
 computes: ``devices.shares_compute``) and each ``ProposeRequest`` to ``handle``, which
 answers under the compute lock; once the reply has left, the transport calls ``prepare``,
-which drafts ahead and stops the moment another request is waiting. One ``DraftSide`` per
+which drafts ahead and stops the moment another request is waiting, then (for a request with
+``tree`` set, over a transport that can send unasked: the TCP server) ``tree``, the cache just
+drafted, which the target takes its next blocks from without asking. One ``DraftSide`` per
 connection, all sharing one drafter (one model, one KV pool): several targets can share one
 draft. Knows nothing of sockets or Ray.
 """
@@ -20,7 +22,7 @@ from typing import Callable
 
 from .devices import shares_compute
 from .draft import DraftSide, Drafter
-from .messages import Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError
+from .messages import DraftTree, Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError
 from .models import check_vocab_compatible
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,10 @@ class DraftService:
         logger.info("target %s connected as %s: drafting ahead %s (%s)%s", msg.target_id, conn, "on" if ahead else "off", why,
                     f"; {widths[1]}" if widths[1] else "")
         head = getattr(self.drafter, "hidden_layers", None)
+        # "trees": this draft answers a request with ``tree`` set by a DraftTree after drafting ahead (its cache
+        # for the next verdicts), where the transport can send one unasked.
         return HelloReply(self.draft_id, self.fingerprint, None, {**self.info, "draft_ahead": ahead, "draft_ahead_reason": why,
+                                                                  "trees": ahead,
                                                                   "vocab_note": widths[1],
                                                                   **({"hidden_layers": list(head)} if head else {})})
 
@@ -138,6 +143,13 @@ class DraftService:
             start = time.perf_counter()
             side.prepare(stop)
             self.counters["prepare_s"] += time.perf_counter() - start
+
+    def tree(self, conn: str, step: int, elapsed_s: float = 0.0) -> DraftTree:
+        """The cache drafted ahead for this connection's last request with ``tree`` set (empty when there is
+        none: every such request gets its DraftTree)."""
+        with self.lock:
+            side = self.sides.get(conn)
+            return side.tree(step, elapsed_s) if side is not None else DraftTree(step, [], elapsed_s)
 
     def drop(self, conn: str) -> None:
         """The connection is gone: free its sequences."""

@@ -7,7 +7,9 @@ proof, or a refusal). Per step it
 sends one ``ProposeRequest`` (sequences to open, verify results since the last request as
 KV-cache deltas, sequences to close, and how many draft tokens each wanted sequence should
 get) and the draft answers one ``ProposeReply`` (a ``DraftBlock`` per wanted sequence,
-plus timing the target's cost model uses). Messages carry changes, never whole sequences:
+plus timing the target's cost model uses). A request with ``tree`` set is also answered, once
+the draft has drafted ahead, by a ``DraftTree``: the blocks it holds for the verdicts the
+target may reach next, from which the target takes its next blocks without asking. Messages carry changes, never whole sequences:
 a ``VerifyResult`` says "keep the first ``base_len`` tokens, of your drafts
 ``num_accepted`` survived, append ``token_ids``". How payloads travel (bytes over a socket,
 tensors over a collective group) is the channel's business, not these types'.
@@ -24,7 +26,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 5  # 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
+PROTOCOL_VERSION = 6  # 6: ProposeRequest.tree, DraftTree; 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
 
 
 class ProtocolError(ValueError):
@@ -144,6 +146,7 @@ class ProposeRequest:
     live: list[str] | None = None  # when set: every sequence this target still has here; the draft frees the rest
     draft_misses: bool = True  # false: answer only what the speculation cache holds (possibly nothing), draft nothing now
     budget_s: float = 0.0  # the target's estimate of the time until its next request (verify + link); 0: unknown
+    tree: bool = False  # also send a DraftTree once drafting ahead for these sequences stops
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.num_draft_tokens):
@@ -184,6 +187,39 @@ class ProposeReply:
     refused: list[str] = field(default_factory=list)  # sequences over this connection's limits: no drafts for them
 
 
+@dataclass(frozen=True)
+class SeqTree:
+    """One sequence's speculation cache as the draft holds it: branch i is the block the draft would
+    answer after a verify of the block built on ``base_len`` that accepts ``accepted[i]`` drafts and
+    then commits ``tokens[i]`` (greedy sequences only: a branch carries no probabilities)."""
+
+    request_id: str
+    base_len: int
+    accepted: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # [len(accepted)]
+    branches: list[list[int]] = field(default_factory=list)  # [len(accepted)] draft token ids
+
+    def __post_init__(self) -> None:
+        if not len(self.accepted) == len(self.tokens) == len(self.branches):
+            raise ValueError(f"{len(self.accepted)} accepted, {len(self.tokens)} tokens and {len(self.branches)} branches differ")
+        if len(self.branches) > MAX_TREE_BRANCHES or any(len(b) > 64 for b in self.branches):
+            raise ValueError(f"a tree holds at most {MAX_TREE_BRANCHES} branches of at most 64 drafts")
+
+
+MAX_TREE_BRANCHES = 1024
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    step: int  # the request (``tree`` set) it follows
+    trees: list[SeqTree] = field(default_factory=list)
+    elapsed_s: float = 0.0  # from the request's arrival to this message leaving (the link's delay emulation)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.elapsed_s < 3600.0:
+            raise ValueError(f"elapsed_s must be in [0, 3600), got {self.elapsed_s}")
+
+
 # -- codec ------------------------------------------------------------------------------------
 _INT64 = (-(2**63), 2**64 - 1)
 
@@ -212,11 +248,12 @@ _CHECKS = {
     "list[str] | None": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
 }
 _NESTED = {"opens": OpenSeq, "results": VerifyResult, "closes": CloseSeq, "blocks": DraftBlock, "stats": DraftStats,
-           "processing": DraftProcessing}
+           "processing": DraftProcessing, "trees": SeqTree}
 _SINGLE = ("stats", "processing")  # one nested message (the others: lists of them); processing may be None
 MESSAGE_TYPES = {
     cls.__name__: cls
-    for cls in (Challenge, Hello, HelloReply, OpenSeq, VerifyResult, CloseSeq, ProposeRequest, DraftBlock, DraftStats, ProposeReply)
+    for cls in (Challenge, Hello, HelloReply, OpenSeq, VerifyResult, CloseSeq, ProposeRequest, DraftBlock, DraftStats, ProposeReply,
+                SeqTree, DraftTree)
 }
 
 

@@ -4,7 +4,10 @@ Data flow: ``open`` assigns a new sequence to the least-loaded live draft (stick
 sequence's life, so that draft's KV stays warm) and queues its ``OpenSeq``; ``result`` and
 ``close`` queue deltas for that draft (one sequence's results coalesce while nothing is
 drafted for it); ``propose`` sends one ``ProposeRequest`` to every draft with wanted
-sequences before waiting on any, then collects the replies. A draft that fails, times out or
+sequences before waiting on any, then collects the replies. A draft that drafts ahead over a
+socket also sends, after each request, the cache it drafted (``DraftTree``): when that cache
+holds every wanted sequence's block for the verdict just reached, ``propose`` takes the blocks
+from it and sends the request without waiting (the draft answers from the same cache). A draft that fails, times out or
 sends garbage is dropped: its sequences move to another live draft (re-opened with their
 full tokens) or continue target-only, and move back when a draft connects. Every block a
 draft returns is checked against what was asked before anyone verifies it
@@ -23,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .messages import CloseSeq, DraftBlock, Hello, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
+from .messages import CloseSeq, DraftBlock, DraftTree, Hello, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
 from .reply_check import check_block
 from .transport import DraftUnavailable
 
@@ -44,6 +47,8 @@ class _Draft:
     last_ok: float = field(default_factory=time.monotonic)  # when it last answered
     warned: bool = False  # a rejected reply was logged (once per draft)
     unread: int = 0  # replies to pushed deltas not read yet (read before the next request)
+    trees: bool = False  # it sends its speculation cache after drafting ahead (DraftTree), over this endpoint
+    sent_at: dict = field(default_factory=dict)  # step -> when a request asking for a tree left (delay emulation)
 
     @property
     def has_deltas(self) -> bool:
@@ -60,6 +65,7 @@ class ProposeOutcome:
     forward_s: float = 0.0  # of which forwards
     hidden_s: float = 0.0  # drafting time the speculation caches took off the critical path
     draft_step_s: float = 0.0  # the drafts' estimate of one decode forward
+    from_trees: int = 0  # blocks taken from the drafts' trees, without waiting for a reply
 
 
 class DraftPool:
@@ -74,8 +80,10 @@ class DraftPool:
         refresh_s: float = 1.0,
         background: bool = True,
         keep_hidden: Callable[[tuple[int, ...]], None] | None = None,
+        trees: bool = True,
     ):
-        """``keep_hidden(layers)``: make the target keep these layers' rows for a draft head that connects."""
+        """``keep_hidden(layers)``: make the target keep these layers' rows for a draft head that connects;
+        ``trees``: take blocks from the trees drafts send (speculation.draft_trees)."""
         self._discover, self._connect, self._hello, self._reopen = discover, connect, hello, reopen
         self._keep_hidden = keep_hidden
         self.hidden_layers: tuple[int, ...] | None = None  # what the target keeps for its draft heads
@@ -88,9 +96,12 @@ class DraftPool:
         self._closed_tensor_bytes = 0  # bytes of probabilities received over links since dropped
         self._closed_hidden_bytes = 0  # bytes of hidden-state rows sent to drafts since dropped
         self.committed: dict[str, int] = {}  # request id -> committed length, as the drafts will have heard it
+        self.use_trees = trees
+        # request id -> (draft name, base length, {(accepted, token): draft ids}, usable from): the last tree
+        self.trees: dict[str, tuple[str, int, dict, float]] = {}
         self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0,
-                         "num_seqs_refused": 0}
+                         "num_seqs_refused": 0, "num_tree_steps": 0, "num_tree_blocks": 0}
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: set[str] = set()  # connected, not yet adopted by the engine thread
         self._stop = threading.Event()
@@ -160,6 +171,7 @@ class DraftPool:
             if d.name in self.drafts or not self._hidden_ok(d):
                 d.endpoint.close()
                 continue
+            d.trees = self.use_trees and bool(d.info.get("trees")) and bool(getattr(d.endpoint, "trees", False))
             self.drafts[d.name] = d
             self.counters["num_draft_connects"] += 1
             logger.info("draft %s connected (%s)", d.name, d.info.get("node_id", "")[:8] or "in-process")
@@ -221,6 +233,7 @@ class DraftPool:
         pending[r.request_id] = r if prev is None else prev.then(r)
 
     def close(self, rid: str) -> None:
+        self.trees.pop(rid, None)
         self.orphans.discard(rid)
         self.declined.discard(rid)
         self.committed.pop(rid, None)
@@ -243,6 +256,7 @@ class DraftPool:
                        ", ".join(self.drafts) or "target-only decoding")
         d.endpoint.close()
         for rid in sorted(d.seqs):
+            self.trees.pop(rid, None)
             self.assignment.pop(rid, None)
             self.counters["num_resyncs"] += 1
             self._assign(rid)
@@ -264,12 +278,12 @@ class DraftPool:
         return any(d.info.get("draft_ahead") for d in self.drafts.values())
 
     def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int], live: list[str] | None = None,
-                 draft_misses: bool = True, budget_s: float = 0.0) -> ProposeRequest:
+                 draft_misses: bool = True, budget_s: float = 0.0, tree: bool = False) -> ProposeRequest:
         opens, results = d.opens, list(d.results.values())
         if self.hidden_layers is not None and not d.info.get("hidden_layers"):  # rows only to the drafts that read them
             opens = [dataclasses.replace(o, hidden_states=None) for o in opens]
             results = [dataclasses.replace(r, hidden_states=None) for r in results]
-        req = ProposeRequest(step, opens, results, d.closes, rids, ks, live, draft_misses, min(max(0.0, budget_s), 60.0))
+        req = ProposeRequest(step, opens, results, d.closes, rids, ks, live, draft_misses, min(max(0.0, budget_s), 60.0), tree)
         d.opens, d.results, d.closes = [], {}, []
         return req
 
@@ -290,9 +304,23 @@ class DraftPool:
         start = time.perf_counter()
         sent = []
         for name, (rids, ks) in by_draft.items():
-            d = self.drafts[name]
-            req = self._request(d, step, rids, ks, None, draft_misses, budget_s)
+            d = self.drafts.get(name)
+            if d is None:  # lost while reading another draft's trees
+                out.fallback.update(rids)
+                continue
             try:
+                if d.trees:
+                    self._read_pushed(d, wait=False)  # the trees that came while the target verified
+                local = self._from_tree(d, rids, ks, draft_misses, start) if d.trees else None
+                req = self._request(d, step, rids, ks, None, draft_misses, budget_s, d.trees)
+                if d.trees:
+                    d.sent_at[step] = start
+                if local is not None:  # every block is in the tree this draft sent: it answers from the same cache
+                    d.endpoint.send(req, awaited=False)
+                    d.unread += 1
+                    out.blocks.update(local)
+                    out.from_trees += len(local)
+                    continue
                 self._read_pushed(d)
                 d.endpoint.send(req)
                 sent.append((d, req))
@@ -301,9 +329,7 @@ class DraftPool:
                 self._lost(d, exc)
         for d, req in sent:
             try:
-                reply: ProposeReply = d.endpoint.recv(self._timeout(d, req))
-                if not isinstance(reply, ProposeReply) or reply.step != req.step:
-                    raise DraftUnavailable(f"answered step {getattr(reply, 'step', '?')} to step {req.step}")
+                reply = self._reply(d, req)
             except DraftUnavailable as exc:
                 out.fallback.update(req.request_ids)
                 self._lost(d, exc)
@@ -323,8 +349,70 @@ class DraftPool:
             out.queue_s = max(out.queue_s, s.queue_s)
             out.hidden_s += s.hidden_s
             out.draft_step_s = max(out.draft_step_s, s.draft_step_s)
-        out.wait_s = time.perf_counter() - start
+        out.wait_s = time.perf_counter() - start if sent else 0.0
+        if out.from_trees:
+            self.counters["num_tree_steps"] += not sent
+            self.counters["num_tree_blocks"] += out.from_trees
         return out
+
+    def _reply(self, d: _Draft, req: ProposeRequest) -> ProposeReply:
+        """The reply to ``req`` (just sent, nothing pushed unread), after any tree sent before the draft read it."""
+        deadline = time.perf_counter() + self._timeout(d, req)
+        # (read as unawaited: an emulated link's delay is slept once, for the reply, not for each tree before it)
+        while isinstance(reply := d.endpoint.recv(max(1e-3, deadline - time.perf_counter()), awaited=False), DraftTree) and d.trees:
+            self._store_tree(d, reply)
+        if not isinstance(reply, ProposeReply) or reply.step != req.step:
+            raise DraftUnavailable(f"answered step {getattr(reply, 'step', '?')} to step {req.step}")
+        if getattr(d.endpoint, "delay_s", 0.0):
+            time.sleep(d.endpoint.delay_s)
+        return reply
+
+    def _from_tree(self, d: _Draft, rids: list[str], ks: list[int], draft_misses: bool, now: float) -> dict[str, DraftBlock] | None:
+        """Each wanted sequence's block from the tree ``d`` sent, as ``d`` would answer it (the branch for
+        the verdict it is about to hear, cut to k; none where the tree has none, when it drafts no
+        misses), checked as a reply is; None when any is not there to take: no tree yet (or, emulating
+        a link's delay, not arrived yet), a tree for another block, a verdict the draft cannot look up
+        (results coalesced over steps without drafts), a sequence it has not opened yet."""
+        blocks = {}
+        reopening = {o.request_id for o in d.opens}
+        for rid, k in zip(rids, ks):
+            entry, r = self.trees.get(rid), d.results.get(rid)
+            if (entry is None or entry[0] != d.name or entry[3] > now or rid in reopening or r is None
+                    or r.base_len != entry[1] or len(r.token_ids) != r.num_accepted + 1):
+                return None
+            tokens = entry[2].get((r.num_accepted, r.token_ids[-1]), [])[:k]
+            if draft_misses and len(tokens) < k:
+                return None
+            if tokens:
+                block, why = check_block(DraftBlock(rid, r.committed_len, tokens, None, True), k, self.committed.get(rid),
+                                         self.vocab_size or 1 << 62)
+                if block is None or why is not None:
+                    self._rejected(d, f"a tree with {why}")
+                    return None
+                blocks[rid] = block
+        for rid in rids:  # a tree answers one verdict
+            self.trees.pop(rid, None)
+        return blocks
+
+    def _store_tree(self, d: _Draft, tree: DraftTree) -> None:
+        """Keep the trees of ``d``'s own sequences. Emulating a link's delay, a tree is usable once it would
+        have arrived: its request's send, the draft's time to it and a round trip later."""
+        sent = d.sent_at.pop(tree.step, None)
+        for step in [s for s in d.sent_at if s < tree.step]:
+            del d.sent_at[step]
+        delay = getattr(d.endpoint, "delay_s", 0.0)
+        usable = sent + 2 * delay + tree.elapsed_s if (delay and sent is not None) else 0.0
+        for t in tree.trees:
+            if self.assignment.get(t.request_id) == d.name:
+                self.trees[t.request_id] = (d.name, t.base_len, {(a, tok): b for a, tok, b in zip(t.accepted, t.tokens, t.branches)},
+                                            usable)
+
+    def _rejected(self, d: _Draft, why: str) -> None:
+        self.counters["draft_replies_rejected"] += 1
+        if not d.warned:
+            d.warned = True
+            logger.warning("draft %s sent %s: repaired before verification (exact; counted in draft_replies_rejected, "
+                           "said once per draft)", d.name, why)
 
     def _accept(self, d: _Draft, reply: ProposeReply, asked: dict[str, int], blocks: dict[str, DraftBlock]) -> None:
         """The reply's blocks that are safe to verify, into ``blocks`` (see ``reply_check``)."""
@@ -336,11 +424,7 @@ class DraftPool:
             if checked is not None:
                 blocks[b.request_id] = checked
             if why is not None:
-                self.counters["draft_replies_rejected"] += 1
-                if not d.warned:
-                    d.warned = True
-                    logger.warning("draft %s sent %s: repaired before verification (exact; counted in draft_replies_rejected, "
-                                   "said once per draft)", d.name, why)
+                self._rejected(d, why)
 
     def _resync_missing(self, d: _Draft, reply: ProposeReply) -> None:
         for rid in reply.refused:  # over the draft's limits (sequences per target, its context): target-only
@@ -356,6 +440,7 @@ class DraftPool:
                                    "it decodes target-only, exact (said once per draft)", d.name, rid)
         for rid in reply.missing:  # the draft lost it (e.g. restarted): resync it
             if self.assignment.get(rid) == d.name:
+                self.trees.pop(rid, None)
                 self.counters["num_resyncs"] += 1
                 d.seqs.discard(rid)
                 self.assignment.pop(rid)
@@ -376,13 +461,16 @@ class DraftPool:
                 self._lost(d, exc)
 
     def _read_pushed(self, d: _Draft, wait: bool = True) -> None:
-        """Read the answers to pushed deltas (they were sent before this request, so they arrive first);
-        ``wait`` false: only those already arriving."""
-        while d.unread and (wait or d.endpoint.poll()):
+        """Read the answers to pushed deltas (they were sent before this request, so they arrive first)
+        and the trees that came; ``wait`` false: only those already arriving."""
+        while (wait and d.unread) or ((d.unread or d.trees) and d.endpoint.poll()):
             reply = d.endpoint.recv(self.max_timeout_s, awaited=False)
+            if isinstance(reply, DraftTree) and d.trees:
+                self._store_tree(d, reply)
+                continue
+            if not isinstance(reply, ProposeReply) or not d.unread:
+                raise DraftUnavailable(f"sent {type(reply).__name__} unasked")
             d.unread -= 1
-            if not isinstance(reply, ProposeReply):
-                raise DraftUnavailable(f"answered pushed deltas with {type(reply).__name__}")
             self._resync_missing(d, reply)
 
     def flush(self, step: int, heartbeat_s: float = 1.0) -> None:
@@ -397,7 +485,7 @@ class DraftPool:
             try:
                 self._read_pushed(d)
                 d.endpoint.send(req)
-                d.endpoint.recv(self._timeout(d, req))
+                self._reply(d, req)
                 d.last_ok = time.monotonic()
             except DraftUnavailable as exc:
                 self._lost(d, exc)

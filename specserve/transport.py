@@ -40,7 +40,8 @@ from typing import Protocol
 import msgpack
 
 from .draft_service import DraftService
-from .messages import TENSOR_DTYPES, Challenge, Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode, encode
+from .messages import (TENSOR_DTYPES, Challenge, DraftTree, Hello, HelloReply, ProposeReply, ProposeRequest, ProtocolError, decode,
+                       encode)
 from .secret import new_challenge, prove, verify
 
 logger = logging.getLogger(__name__)
@@ -193,6 +194,8 @@ def parse_address(address: str) -> tuple[str, int]:
 class SocketEndpoint:
     """A target's TCP connection to one draft server (and, optionally, a tensor link beside it)."""
 
+    trees = True  # the server sends DraftTrees unasked after drafting ahead (``DraftServer._send_trees``)
+
     def __init__(self, address: str, delay_ms: float = 0.0, connect_timeout_s: float = 2.0, link_factory=None,
                  token: str | None = None):
         self.name = address
@@ -308,6 +311,8 @@ class SocketEndpoint:
 class LocalEndpoint:
     """An in-process draft: direct calls; drafting ahead runs on a helper thread (torch drops the GIL)."""
 
+    trees = False  # no DraftTrees: a draft in the target's process shares its compute, its trees would not come sooner
+
     def __init__(self, service: DraftService, name: str = "local", delay_ms: float = 0.0):
         self.name = name
         self.service = service
@@ -374,6 +379,7 @@ class _Conn:
     deadline: float  # to prove the secret by
     buffer: bytearray = field(default_factory=bytearray)
     proven: bool = False
+    trees: list = field(default_factory=list)  # (step, arrival) of requests with ``tree`` set, answered, trees not sent
 
 
 class DraftServer:
@@ -414,9 +420,24 @@ class DraftServer:
                 elif sock in self._conns:
                     answered += self._read(sock)
             self._expire()
-            for conn in answered:
+            for sock in answered:
+                c = self._conns.get(sock)
+                if c is None:
+                    continue
                 if self.service.drafts_ahead:
-                    self.service.prepare(conn, self._readable)
+                    self.service.prepare(c.name, self._readable)
+                self._send_trees(sock, c)
+
+    def _send_trees(self, sock: socket.socket, c: _Conn) -> None:
+        """A DraftTree for each request that asked for one, in order (only the last carries the cache:
+        the earlier ones' blocks were superseded before drafting ahead)."""
+        owed, c.trees = c.trees, []
+        for i, (step, arrived) in enumerate(owed):
+            elapsed = time.perf_counter() - arrived
+            tree = self.service.tree(c.name, step, elapsed) if i == len(owed) - 1 else DraftTree(step, [], elapsed)
+            if not self._send(sock, encode(tree)):
+                self._drop(sock)
+                return
 
     def _accept(self) -> None:
         try:
@@ -471,7 +492,7 @@ class DraftServer:
             data = bytes(c.buffer[_HEADER.size:_HEADER.size + size])
             del c.buffer[:_HEADER.size + size]
             answered |= self._answer(sock, c, kind, data)
-        return [c.name] if answered and sock in self._conns else []
+        return [sock] if answered and sock in self._conns else []
 
     def _send(self, sock: socket.socket, data: bytes, kind: int = MESSAGE, timeout_s: float = 10.0) -> bool:
         """Send one frame (blocking up to ``timeout_s``, then back to non-blocking reads); False if it failed."""
@@ -508,7 +529,10 @@ class DraftServer:
                 msg = decode(data)
             if not isinstance(msg, ProposeRequest):
                 raise ProtocolError(f"unexpected {type(msg).__name__}")
+            arrived = time.perf_counter()
             reply = self.service.handle(c.name, msg)
+            if msg.tree:
+                c.trees.append((msg.step, arrived))
             layout = packed = None
             if link is not None:
                 reply, layout, packed = strip_probs(reply)
