@@ -99,6 +99,7 @@ class DraftPool:
         self.use_trees = trees
         # request id -> (draft name, base length, {(accepted, token): draft ids}, usable from): the last tree
         self.trees: dict[str, tuple[str, int, dict, float]] = {}
+        self.treed: set[str] = set()  # live sequences a tree has held (a step waits for a tree only for them)
         self.vocab_size = int((hello.vocab or {}).get("vocab_size") or 0) or None  # ids the target can emit
         self.counters = {"num_draft_failures": 0, "num_draft_connects": 0, "num_resyncs": 0, "draft_replies_rejected": 0,
                          "num_seqs_refused": 0, "num_tree_steps": 0, "num_tree_blocks": 0}
@@ -234,6 +235,7 @@ class DraftPool:
 
     def close(self, rid: str) -> None:
         self.trees.pop(rid, None)
+        self.treed.discard(rid)
         self.orphans.discard(rid)
         self.declined.discard(rid)
         self.committed.pop(rid, None)
@@ -302,16 +304,20 @@ class DraftPool:
             rids.append(rid)
             ks.append(k)
         start = time.perf_counter()
-        sent = []
+        sent, tree_wait = [], 0.0
         for name, (rids, ks) in by_draft.items():
             d = self.drafts.get(name)
             if d is None:  # lost while reading another draft's trees
                 out.fallback.update(rids)
                 continue
             try:
-                if d.trees:
-                    self._read_pushed(d, wait=False)  # the trees that came while the target verified
-                local = self._from_tree(d, rids, ks, draft_misses, start) if d.trees else None
+                local = None
+                if d.trees and self._may_tree(d, rids):
+                    # (capped: the estimate starts from the hello's round trip, tens of ms)
+                    began = time.perf_counter()
+                    now = self._await_tree(d, rids, start + min(d.latency_s, 0.02 + 2 * getattr(d.endpoint, "delay_s", 0.0)))
+                    tree_wait += now - began
+                    local = self._from_tree(d, rids, ks, draft_misses, now)
                 req = self._request(d, step, rids, ks, None, draft_misses, budget_s, d.trees)
                 if d.trees:
                     d.sent_at[step] = start
@@ -349,7 +355,7 @@ class DraftPool:
             out.queue_s = max(out.queue_s, s.queue_s)
             out.hidden_s += s.hidden_s
             out.draft_step_s = max(out.draft_step_s, s.draft_step_s)
-        out.wait_s = time.perf_counter() - start if sent else 0.0
+        out.wait_s = time.perf_counter() - start if sent else tree_wait  # (the wait for a tree is the draft's too)
         if out.from_trees:
             self.counters["num_tree_steps"] += not sent
             self.counters["num_tree_blocks"] += out.from_trees
@@ -366,6 +372,32 @@ class DraftPool:
         if getattr(d.endpoint, "delay_s", 0.0):
             time.sleep(d.endpoint.delay_s)
         return reply
+
+    def _may_tree(self, d: _Draft, rids: list[str]) -> bool:
+        """Whether a tree from ``d`` can hold every block of ``rids``, so it is worth reading (or waiting)
+        for: each has had trees (a sampled sequence never has), a verdict the draft can look up, no open
+        on its way."""
+        reopening = {o.request_id for o in d.opens}
+        for rid in rids:
+            r = d.results.get(rid)
+            if rid not in self.treed or rid in reopening or r is None or len(r.token_ids) != r.num_accepted + 1:
+                return False
+        return True
+
+    def _await_tree(self, d: _Draft, rids: list[str], deadline: float) -> float:
+        """Read the trees that came while the target verified; while the last one asked for is still on
+        its way, wait for it until ``deadline`` (a round trip from the step's start: an ask would cost
+        one, and would cut the tree short). Emulating a link's delay, wait until the trees of ``rids``
+        would have arrived, if that is before ``deadline``. Returns the time they are looked up at."""
+        self._read_pushed(d, wait=False)
+        while d.sent_at and (left := deadline - time.perf_counter()) > 0 and d.endpoint.poll(left):
+            self._read_pushed(d, wait=False)
+        now = time.perf_counter()
+        due = max((e[3] for rid in rids if (e := self.trees.get(rid)) is not None and e[0] == d.name), default=0.0)
+        if now < due <= deadline:
+            time.sleep(due - now)
+            now = due
+        return now
 
     def _from_tree(self, d: _Draft, rids: list[str], ks: list[int], draft_misses: bool, now: float) -> dict[str, DraftBlock] | None:
         """Each wanted sequence's block from the tree ``d`` sent, as ``d`` would answer it (the branch for
@@ -404,6 +436,7 @@ class DraftPool:
         usable = sent + 2 * delay + tree.elapsed_s if (delay and sent is not None) else 0.0
         for t in tree.trees:
             if self.assignment.get(t.request_id) == d.name:
+                self.treed.add(t.request_id)
                 self.trees[t.request_id] = (d.name, t.base_len, {(a, tok): b for a, tok, b in zip(t.accepted, t.tokens, t.branches)},
                                             usable)
 

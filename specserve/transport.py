@@ -272,10 +272,10 @@ class SocketEndpoint:
         except (OSError, RuntimeError) as exc:
             raise self._call_failed(exc) from None
 
-    def poll(self) -> bool:
-        """Whether an answer has (begun to) arrive, without waiting."""
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        """Whether an answer has (begun to) arrive, waiting up to ``timeout_s``."""
         try:
-            return bool(select.select([self.sock], [], [], 0)[0])
+            return bool(select.select([self.sock], [], [], max(0.0, timeout_s))[0])
         except (OSError, ValueError):
             return True  # a broken socket: the read says so
 

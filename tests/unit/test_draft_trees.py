@@ -15,8 +15,8 @@ from specserve.adaptive import SpeculationController
 from specserve.build import build_draft_service, build_target
 from specserve.config import SpecserveConfig
 from specserve.engine import EngineCore, EngineLoop
-from specserve.messages import DraftTree, Hello, ProtocolError, SeqTree, decode, encode
-from specserve.pool import DraftPool
+from specserve.messages import DraftTree, Hello, OpenSeq, ProtocolError, SeqTree, VerifyResult, decode, encode
+from specserve.pool import DraftPool, _Draft
 from specserve.reference import reference_generate
 from specserve.sampling_params import SamplingParams
 from specserve.transport import DraftServer, SocketEndpoint
@@ -158,3 +158,34 @@ def test_tree_messages_round_trip_and_malformed_ones_are_refused():
         decode(bad)
     with pytest.raises(ProtocolError):
         decode(msgpack.packb({"v": 6, "type": "DraftTree", "body": {"step": 1, "trees": [], "elapsed_s": -1.0}}))
+
+
+class _Endpoint:
+    """Stands for a socket to a draft (only what the pool reads here: it sends trees, has a delay)."""
+
+    trees = True
+
+    def __init__(self, delay_s: float):
+        self.delay_s = delay_s
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        return False
+
+
+def test_an_emulated_link_delays_a_tree_by_a_round_trip_after_its_request_left():
+    pool = DraftPool(discover=dict, connect=None, hello=Hello("t0", {"vocab_size": 64}), reopen=lambda rid: OpenSeq(rid, [1, 2, 3]),
+                     background=False)
+    pool._ready.put(_Draft("d0", _Endpoint(0.05), {"trees": True}))  # adopted as a connected draft is
+    pool.poll()
+    draft = pool.drafts["d0"]
+    assert draft.trees
+    pool.open("r0")
+    draft.opens = []  # (as if the open went out with an earlier request)
+    pool.result(VerifyResult("r0", 3, 0, [7]))
+    draft.sent_at[5] = 100.0
+    pool._store_tree(draft, DraftTree(5, [SeqTree("r0", 3, [0], [7], [[11, 12, 13]])], 0.01))
+    assert pool.trees["r0"][3] == pytest.approx(100.0 + 2 * 0.05 + 0.01)
+    assert pool._from_tree(draft, ["r0"], [2], True, now=100.05) is None  # not arrived yet
+    blocks = pool._from_tree(draft, ["r0"], [2], True, now=100.2)
+    assert blocks["r0"].draft_token_ids == [11, 12] and blocks["r0"].base_len == 4
+    assert "r0" not in pool.trees  # a tree answers one verdict
