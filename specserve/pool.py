@@ -48,6 +48,7 @@ class _Draft:
     warned: bool = False  # a rejected reply was logged (once per draft)
     unread: int = 0  # replies to pushed deltas not read yet (read before the next request)
     trees: bool = False  # it sends its speculation cache after drafting ahead (DraftTree), over this endpoint
+    floor_s: float | None = None  # the round trip without the draft's lag: falls fast, rises slowly
     sent_at: dict = field(default_factory=dict)  # step -> when a request asking for a tree left (delay emulation)
 
     @property
@@ -318,7 +319,10 @@ class DraftPool:
                     now = self._await_tree(d, rids, start + min(d.latency_s, 0.02 + 2 * getattr(d.endpoint, "delay_s", 0.0)))
                     tree_wait += now - began
                     local = self._from_tree(d, rids, ks, draft_misses, now)
-                req = self._request(d, step, rids, ks, None, draft_misses, budget_s, d.trees)
+                # A tree is of use when it is back as the verify ends: the draft grows it for a round trip less than
+                # the time to the next request it would have without trees (the verify and a round trip).
+                budget = max(0.0, budget_s - 2 * (d.floor_s or 0.0)) if d.trees else budget_s
+                req = self._request(d, step, rids, ks, None, draft_misses, budget, d.trees)
                 if d.trees:
                     d.sent_at[step] = start
                 if local is not None:  # every block is in the tree this draft sent: it answers from the same cache
@@ -347,6 +351,7 @@ class DraftPool:
                 d.catchup_s = 0.8 * d.catchup_s + 0.2 * max(per_token, 1e-5)
             else:
                 d.latency_s = 0.8 * d.latency_s + 0.2 * elapsed
+                d.floor_s = elapsed if d.floor_s is None else min(elapsed, 0.99 * d.floor_s + 0.01 * elapsed)
             d.last_ok = time.monotonic()
             self._accept(d, reply, dict(zip(req.request_ids, req.num_draft_tokens)), out.blocks)
             self._resync_missing(d, reply)
