@@ -432,12 +432,16 @@ class DraftServer:
         """A DraftTree for each request that asked for one, in order (only the last carries the cache:
         the earlier ones' blocks were superseded before drafting ahead)."""
         owed, c.trees = c.trees, []
-        for i, (step, arrived) in enumerate(owed):
-            elapsed = time.perf_counter() - arrived
-            tree = self.service.tree(c.name, step, elapsed) if i == len(owed) - 1 else DraftTree(step, [], elapsed)
-            if not self._send(sock, encode(tree)):
-                self._drop(sock)
-                return
+        try:
+            for i, (step, arrived) in enumerate(owed):
+                elapsed = time.perf_counter() - arrived
+                tree = self.service.tree(c.name, step, elapsed) if i == len(owed) - 1 else DraftTree(step, [], elapsed)
+                if not self._send(sock, encode(tree)):
+                    self._drop(sock)
+                    return
+        except Exception:  # a bug building a tree: this connection's target resyncs, the server lives on
+            logger.exception("draft failed sending a tree to %s; dropping the connection", c.name)
+            self._drop(sock)
 
     def _accept(self) -> None:
         try:

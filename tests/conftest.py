@@ -106,6 +106,26 @@ def wait_until(condition, timeout: float, interval: float = 0.1, message: str = 
         time.sleep(interval)
 
 
+class Sinks:
+    """Per-request sinks for ``EngineLoop.submit_many``: each request's tokens by index, the indices
+    finished, the errors."""
+
+    def __init__(self):
+        self.outs: dict[int, list[int]] = {}
+        self.done: set[int] = set()
+        self.errors: list[Exception] = []
+
+    def __call__(self, i: int):
+        def sink(item):
+            if isinstance(item, Exception):
+                self.errors.append(item)
+                return
+            self.outs.setdefault(i, []).extend(item.token_ids)
+            if item.finished:
+                self.done.add(i)
+        return sink
+
+
 def stream_all(llm, requests: list, delays: list[float] | None = None) -> list:
     """Stream each (prompt, params) at once (after its delay, in seconds); per request its tokens, or the
     ``RequestFailed`` it ended with."""

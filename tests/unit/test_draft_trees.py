@@ -21,7 +21,7 @@ from specserve.reference import reference_generate
 from specserve.sampling_params import SamplingParams
 from specserve.transport import DraftServer, SocketEndpoint
 
-from ..conftest import wait_until
+from ..conftest import Sinks, wait_until
 
 PROMPTS = [list(range(3 + i % 5, 3 + i % 5 + 2 + (7 * i) % 19)) for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -81,24 +81,12 @@ def run(tiny_pair, trees: bool = True, corrupt=None, wait_for_trees: bool = True
     loop = EngineLoop(core)
     try:
         wait_until(lambda: pool.drafts, 60, 0.05, "the draft connected")
-        done: dict[int, list[int]] = {}
-        finished, errors = set(), []
-
-        def sink_for(i):
-            def sink(item):
-                if isinstance(item, Exception):
-                    errors.append(item)
-                    return
-                done.setdefault(i, []).extend(item.token_ids)
-                if item.finished:
-                    finished.add(i)
-            return sink
-
-        loop.submit_many([(f"r{i}", p, GREEDY, sink_for(i)) for i, p in enumerate(PROMPTS)])
-        wait_until(lambda: len(finished) + len(errors) == len(PROMPTS), 180, 0.02, "every request finished")
-        assert errors == []
+        sinks = Sinks()
+        loop.submit_many([(f"r{i}", p, GREEDY, sinks(i)) for i, p in enumerate(PROMPTS)])
+        wait_until(lambda: len(sinks.done) + len(sinks.errors) == len(PROMPTS), 180, 0.02, "every request finished")
+        assert sinks.errors == []
         core.taken = taken
-        return [done[i] for i in range(len(PROMPTS))], pool.status(), service.counters, core
+        return [sinks.outs[i] for i in range(len(PROMPTS))], pool.status(), service.counters, core
     finally:
         loop.shutdown()
         server.close()

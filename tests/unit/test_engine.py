@@ -21,7 +21,7 @@ from specserve.reference import reference_generate
 from specserve.target import TargetSide
 from specserve.transport import DraftServer, SocketEndpoint
 
-from ..conftest import stream_all, wait_until
+from ..conftest import Sinks, stream_all, wait_until
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -146,21 +146,9 @@ def test_two_drafts_over_tcp_share_sequences_and_survive_one_dying(tiny_pair, re
     loop = EngineLoop(core)
     try:
         wait_until(lambda: len(core.pool.drafts) == 2, 60, 0.05, "both drafts connected")
-        outs: dict[int, list[int]] = {}
-        errors = []
-        done = set()
-
-        def sink_for(i):
-            def sink(item):
-                if isinstance(item, Exception):
-                    errors.append(item)
-                    return
-                outs.setdefault(i, []).extend(item.token_ids)
-                if item.finished:
-                    done.add(i)
-            return sink
-
-        loop.submit_many([(f"r{i}", p, GREEDY, sink_for(i)) for i, p in enumerate(PROMPTS)])  # admitted in one step
+        sinks = Sinks()
+        outs, errors, done = sinks.outs, sinks.errors, sinks.done
+        loop.submit_many([(f"r{i}", p, GREEDY, sinks(i)) for i, p in enumerate(PROMPTS)])  # admitted in one step
         assert paused.wait(120), "the engine never made three speculative steps"
         assert not done  # 24 tokens at most 4 per step: nobody has finished after three steps
         assert all(d.seqs for d in core.pool.drafts.values())  # sequences spread over both drafts
