@@ -224,10 +224,10 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
     out["specserve own engine"] = lambda: SpecserveRunner(target, draft, common, options, own_engine=True)
     if args.systems and "specserve niceness 15" in args.systems:  # opt-in A/B: the sides as Ray starts its workers
         out["specserve niceness 15"] = lambda: SpecserveRunner(target, draft, {**common, "normal_priority": False}, options)
-    for delay in args.delays_ms:  # opt-in A/B: every step waits for the draft's reply (speculation.draft_trees off)
-        name = "specserve no-trees" + (f" d={delay:g}ms" if delay else "")
+    for delay in args.delays_ms:  # opt-in A/B: steps take their blocks from the draft's trees (speculation.draft_trees on)
+        name = "specserve trees" + (f" d={delay:g}ms" if delay else "")
         if args.systems and name in args.systems:
-            out[name] = lambda delay=delay: SpecserveRunner(target, draft, {**common, "draft_trees": False, "channel_delay_ms": delay}, options)
+            out[name] = lambda delay=delay: SpecserveRunner(target, draft, {**common, "draft_trees": True, "channel_delay_ms": delay}, options)
     if not args.quick:
         out[f"specserve k={k} fixed"] = lambda: SpecserveRunner(target, draft, {**common, "adaptive": False}, options)
         out["specserve no-ahead"] = lambda: SpecserveRunner(target, draft, {**common, "draft_ahead": False}, options)
@@ -403,7 +403,7 @@ def main(argv=None) -> dict:
         else:
             p.error(f"unknown pair {name!r}: demo, realistic or demo-eagle")
     if args.systems:  # a misspelt name would otherwise run nothing for it, silently
-        known = {"specserve niceness 15", "specserve no-trees", *(f"specserve no-trees d={d:g}ms" for d in args.delays_ms)}.union(*(systems(args, *pair, head=name.endswith("eagle")) for name, pair in pairs.items()))
+        known = {"specserve niceness 15", "specserve trees", *(f"specserve trees d={d:g}ms" for d in args.delays_ms)}.union(*(systems(args, *pair, head=name.endswith("eagle")) for name, pair in pairs.items()))
         unknown = [x for x in args.systems if x not in known]
         if unknown:
             p.error(f"unknown system(s) {unknown} for pairs {list(pairs)}: choose from {sorted(known)}")

@@ -81,7 +81,7 @@ class DraftPool:
         refresh_s: float = 1.0,
         background: bool = True,
         keep_hidden: Callable[[tuple[int, ...]], None] | None = None,
-        trees: bool = True,
+        trees: bool = False,
     ):
         """``keep_hidden(layers)``: make the target keep these layers' rows for a draft head that connects;
         ``trees``: take blocks from the trees drafts send (speculation.draft_trees)."""

@@ -141,7 +141,7 @@ class RemoteDraftProposer:
             discover=link.discover, connect=link.connect, hello=Hello(link.target_id, opts.get("vocab") or _fingerprint(vllm_config), hello_info),
             reopen=self._reopen, min_timeout_s=float(opts.get("min_timeout_s", 0.5)),
             max_timeout_s=float(opts.get("max_timeout_s", 10.0)), background=link.background,
-            keep_hidden=self._keep_hidden if self.hidden_layers is not None else None, trees=bool(opts.get("draft_trees", True)),
+            keep_hidden=self._keep_hidden if self.hidden_layers is not None else None, trees=bool(opts.get("draft_trees", False)),
         )
         threading.Thread(target=self._idle_flush, name="specserve-proposer-flush", daemon=True).start()
         mode = "adaptive" if self.controller.adaptive else "fixed, every row padded to k: a hybrid target" if self.uniform else "fixed"

@@ -162,7 +162,7 @@ class _Endpoint:
 
 def test_an_emulated_link_delays_a_tree_by_a_round_trip_after_its_request_left():
     pool = DraftPool(discover=dict, connect=None, hello=Hello("t0", {"vocab_size": 64}), reopen=lambda rid: OpenSeq(rid, [1, 2, 3]),
-                     background=False)
+                     background=False, trees=True)
     pool._ready.put(_Draft("d0", _Endpoint(0.05), {"trees": True}))  # adopted as a connected draft is
     pool.poll()
     draft = pool.drafts["d0"]
