@@ -106,6 +106,16 @@ def wait_until(condition, timeout: float, interval: float = 0.1, message: str = 
         time.sleep(interval)
 
 
+def greedy_references(model_dir: str, prompts: list, params) -> list:
+    """Each prompt's output from the target alone (float64 transformers, ``reference_generate``)."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.reference import reference_generate
+
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    return [reference_generate(target, p, params) for p in prompts]
+
+
 class Sinks:
     """Per-request sinks for ``EngineLoop.submit_many``: each request's tokens by index, the indices
     finished, the errors."""

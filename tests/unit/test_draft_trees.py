@@ -8,8 +8,6 @@ import time
 
 import msgpack
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from specserve.adaptive import SpeculationController
 from specserve.build import build_draft_service, build_target
@@ -17,11 +15,10 @@ from specserve.config import SpecserveConfig
 from specserve.engine import EngineCore, EngineLoop
 from specserve.messages import DraftTree, Hello, OpenSeq, ProtocolError, SeqTree, VerifyResult, decode, encode
 from specserve.pool import DraftPool, _Draft
-from specserve.reference import reference_generate
 from specserve.sampling_params import SamplingParams
 from specserve.transport import DraftServer, SocketEndpoint
 
-from ..conftest import Sinks, wait_until
+from ..conftest import Sinks, greedy_references, wait_until
 
 PROMPTS = [list(range(3 + i % 5, 3 + i % 5 + 2 + (7 * i) % 19)) for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -29,8 +26,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference(tiny_pair):
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float64).eval()
-    return [reference_generate(target, p, GREEDY) for p in PROMPTS]
+    return greedy_references(tiny_pair["target"], PROMPTS, GREEDY)
 
 
 class FixedArm(SpeculationController):

@@ -7,8 +7,6 @@ import concurrent.futures
 import threading
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from specserve import LLM, SamplingParams
 from specserve.adaptive import SpeculationController
@@ -17,11 +15,10 @@ from specserve.config import SpecserveConfig
 from specserve.engine import EngineCore, EngineLoop, RequestFailed
 from specserve.messages import Hello
 from specserve.pool import DraftPool
-from specserve.reference import reference_generate
 from specserve.target import TargetSide
 from specserve.transport import DraftServer, SocketEndpoint
 
-from ..conftest import Sinks, stream_all, wait_until
+from ..conftest import Sinks, greedy_references, stream_all, wait_until
 
 PROMPTS = [list(range(3 + i % 7, 3 + i % 7 + 1 + (5 * i) % 23)) for i in range(12)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -29,8 +26,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def reference(tiny_pair):
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair["target"], dtype=torch.float64).eval()
-    return [reference_generate(target, p, GREEDY) for p in PROMPTS]
+    return greedy_references(tiny_pair["target"], PROMPTS, GREEDY)
 
 
 def test_concurrent_streams_equal_generate(tiny_pair, reference):
