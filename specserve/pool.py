@@ -4,11 +4,11 @@ Data flow: ``open`` assigns a new sequence to the least-loaded live draft (stick
 sequence's life, so that draft's KV stays warm) and queues its ``OpenSeq``; ``result`` and
 ``close`` queue deltas for that draft (one sequence's results coalesce while nothing is
 drafted for it); ``propose`` sends one ``ProposeRequest`` to every draft with wanted
-sequences before waiting on any, then collects the replies. A draft that drafts ahead over a
-socket also sends, after each request, the cache it drafted (``DraftTree``): when that cache
-holds every wanted sequence's block for the verdict just reached, ``propose`` takes the blocks
-from it and sends the request without waiting (the draft answers from the same cache). A draft that fails, times out or
-sends garbage is dropped: its sequences move to another live draft (re-opened with their
+sequences before waiting on any, then collects the replies. With ``trees`` (opt-in), a draft
+that drafts ahead over a socket also sends, after each request, the cache it drafted
+(``DraftTree``): when that cache holds every wanted sequence's block for the verdict just
+reached, ``propose`` takes the blocks from it and sends the request without waiting (the draft
+answers from the same cache). A draft that fails, times out or sends garbage is dropped: its sequences move to another live draft (re-opened with their
 full tokens) or continue target-only, and move back when a draft connects. Every block a
 draft returns is checked against what was asked before anyone verifies it
 (``reply_check.check_block``): repaired or dropped, counted, and said once per draft. Discovery and
