@@ -8,8 +8,9 @@ sequences before waiting on any, then collects the replies. With ``trees`` (opt-
 that drafts ahead over a socket also sends, after each request, the cache it drafted
 (``DraftTree``): when that cache holds every wanted sequence's block for the verdict just
 reached, ``propose`` takes the blocks from it and sends the request without waiting (the draft
-answers from the same cache). A draft that fails, times out or sends garbage is dropped: its sequences move to another live draft (re-opened with their
-full tokens) or continue target-only, and move back when a draft connects. Every block a
+answers from the same cache). A draft that fails, times out or sends garbage is dropped: its
+sequences move to another live draft (re-opened with their full tokens) or continue
+target-only, and move back when a draft connects. Every block a
 draft returns is checked against what was asked before anyone verifies it
 (``reply_check.check_block``): repaired or dropped, counted, and said once per draft. Discovery and
 reconnection run on a background thread, so a dead address never stalls a step. Knows
