@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from .logits_processing import SeqProcessor
-from .messages import (MAX_TREE_BRANCHES, DraftBlock, DraftProcessing, DraftStats, DraftTree, OpenSeq, ProposeReply, ProposeRequest,
+from .messages import (MAX_DRAFT_TOKENS, MAX_TREE_BRANCHES, DraftBlock, DraftProcessing, DraftStats, DraftTree, OpenSeq, ProposeReply, ProposeRequest,
                        SeqTree, VerifyResult)
 from .ngram import ngram_propose
 
@@ -194,8 +194,7 @@ class DraftSide:
         seq.token_ids.extend(r.token_ids)
         if r.hidden_states is not None:
             seq.hidden.append((r.committed_len - 1 - r.hidden_states.shape[0], r.hidden_states))
-        last = r.token_ids[-1] if r.token_ids else -1
-        seq.verdict = (r.base_len, r.num_accepted, last) if len(r.token_ids) == r.num_accepted + 1 else None
+        seq.verdict = r.verdict
 
     def handle(self, req: ProposeRequest) -> ProposeReply:
         start = time.perf_counter()
@@ -279,7 +278,7 @@ class DraftSide:
                 room = len(branch.token_ids) if self.max_len is None else self.max_len - (s.block_base + j + 1)
                 accepted.append(j)
                 tokens.append(token)
-                branches.append(list(branch.token_ids[:max(0, min(room, 64))]))
+                branches.append(list(branch.token_ids[:max(0, min(room, MAX_DRAFT_TOKENS))]))
             trees.append(SeqTree(s.request_id, s.block_base, accepted, tokens, branches))
         self._tree_seqs = []
         return DraftTree(step, trees, elapsed_s)

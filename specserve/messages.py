@@ -9,7 +9,8 @@ KV-cache deltas, sequences to close, and how many draft tokens each wanted seque
 get) and the draft answers one ``ProposeReply`` (a ``DraftBlock`` per wanted sequence,
 plus timing the target's cost model uses). A request with ``tree`` set is also answered, once
 the draft has drafted ahead, by a ``DraftTree``: the blocks it holds for the verdicts the
-target may reach next, from which the target takes its next blocks without asking. Messages carry changes, never whole sequences:
+target may reach next, from which the target takes its next blocks without asking. Messages
+carry changes, never whole sequences:
 a ``VerifyResult`` says "keep the first ``base_len`` tokens, of your drafts
 ``num_accepted`` survived, append ``token_ids``". How payloads travel (bytes over a socket,
 tensors over a collective group) is the channel's business, not these types'.
@@ -27,6 +28,9 @@ import numpy as np
 import torch
 
 PROTOCOL_VERSION = 6  # 6: ProposeRequest.tree, DraftTree; 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
+
+
+MAX_DRAFT_TOKENS = 64  # drafts one block (or one tree branch) may carry
 
 
 class ProtocolError(ValueError):
@@ -121,6 +125,14 @@ class VerifyResult:
     def committed_len(self) -> int:
         return self.base_len + len(self.token_ids)
 
+    @property
+    def verdict(self) -> tuple[int, int, int] | None:
+        """(base_len, num_accepted, the token committed after them): the key a speculation cache's
+        branch is drafted for; None when the result spans several verifies (coalesced)."""
+        if not self.token_ids or len(self.token_ids) != self.num_accepted + 1:
+            return None
+        return self.base_len, self.num_accepted, self.token_ids[-1]
+
     def then(self, later: "VerifyResult") -> "VerifyResult":
         """Coalesce with the next result of the same sequence (the draft drafted nothing in between)."""
         assert later.base_len == self.committed_len and later.num_accepted == 0
@@ -151,8 +163,8 @@ class ProposeRequest:
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.num_draft_tokens):
             raise ValueError(f"{len(self.request_ids)} request_ids but {len(self.num_draft_tokens)} num_draft_tokens")
-        if any(not 0 <= k <= 64 for k in self.num_draft_tokens):
-            raise ValueError("num_draft_tokens must be in [0, 64]")
+        if any(not 0 <= k <= MAX_DRAFT_TOKENS for k in self.num_draft_tokens):
+            raise ValueError(f"num_draft_tokens must be in [0, {MAX_DRAFT_TOKENS}]")
         if not 0.0 <= self.budget_s < 3600.0:
             raise ValueError(f"budget_s must be in [0, 3600), got {self.budget_s}")
 
@@ -202,8 +214,8 @@ class SeqTree:
     def __post_init__(self) -> None:
         if not len(self.accepted) == len(self.tokens) == len(self.branches):
             raise ValueError(f"{len(self.accepted)} accepted, {len(self.tokens)} tokens and {len(self.branches)} branches differ")
-        if len(self.branches) > MAX_TREE_BRANCHES or any(len(b) > 64 for b in self.branches):
-            raise ValueError(f"a tree holds at most {MAX_TREE_BRANCHES} branches of at most 64 drafts")
+        if len(self.branches) > MAX_TREE_BRANCHES or any(len(b) > MAX_DRAFT_TOKENS for b in self.branches):
+            raise ValueError(f"a tree holds at most {MAX_TREE_BRANCHES} branches of at most {MAX_DRAFT_TOKENS} drafts")
 
 
 MAX_TREE_BRANCHES = 1024

@@ -386,7 +386,7 @@ class DraftPool:
         reopening = {o.request_id for o in d.opens}
         for rid in rids:
             r = d.results.get(rid)
-            if rid not in self.treed or rid in reopening or r is None or len(r.token_ids) != r.num_accepted + 1:
+            if rid not in self.treed or rid in reopening or r is None or r.verdict is None:
                 return False
         return True
 
@@ -415,10 +415,10 @@ class DraftPool:
         reopening = {o.request_id for o in d.opens}
         for rid, k in zip(rids, ks):
             entry, r = self.trees.get(rid), d.results.get(rid)
-            if (entry is None or entry[0] != d.name or entry[3] > now or rid in reopening or r is None
-                    or r.base_len != entry[1] or len(r.token_ids) != r.num_accepted + 1):
+            verdict = r.verdict if r is not None else None
+            if entry is None or entry[0] != d.name or entry[3] > now or rid in reopening or verdict is None or verdict[0] != entry[1]:
                 return None
-            tokens = entry[2].get((r.num_accepted, r.token_ids[-1]), [])[:k]
+            tokens = entry[2].get(verdict[1:], [])[:k]
             if draft_misses and len(tokens) < k:
                 return None
             if tokens:
