@@ -31,12 +31,15 @@ token for token, and the ideal two-device ratio: colocated step time / (verify +
 verify is this system's own step with the wait for the draft's compute taken out (both step
 times are wall time per engine step, scheduling and request handling included): what a draft
 hidden completely behind verification would give at the same tokens per step, with the
-fraction of it reached. Every vLLM engine runs without stat logging (vLLM's offline default; specserve's
+fraction of it reached; and each speculative row's ratio to the better vLLM row round by round (the
+runs of one round are back to back, so the box's slow drift moves it less than it moves the medians): median, range and how many
+rounds were at or above 1.0. Every vLLM engine runs without stat logging (vLLM's offline default; specserve's
 vLLM target too), so vLLM's colocated row has no acceptance unless ``--vllm-stats``. Tables to stdout and ``--out``/tables.md,
 everything to results.json, a plot to speedup_vs_batch.png.
 
     python -m benchmarks.bench_vllm                          # demo and realistic pairs, batch 1, 8, 32 (~1 h on 2 cores)
     python -m benchmarks.bench_vllm --quick                  # tiny sizes, every system once (~10 min)
+    python -m benchmarks.bench_vllm --from-json R/results.json --out R2   # R's tables again, measuring nothing
     python -m benchmarks.bench_vllm --pairs demo-eagle       # the demo target's EAGLE-3 head: vLLM's colocated EAGLE-3
                                                              # vs the head on the draft node fed by specserve's engine
                                                              # (drafting ahead, and ``specserve head no-ahead`` without),
@@ -280,6 +283,7 @@ def summarize(records: list[dict], k: int) -> list[dict]:
         ref = by_sys.get("vllm target-only", [{}])[0].get("token_ids")
         col_recs = by_sys.get(f"vllm colocated k={k}", [])
         col_step_ms = statistics.median(r["wall_s"] / max(1, r["num_steps"]) * 1e3 for r in col_recs) if col_recs else None
+        rounds = per_round_ratios(group, k)
         for s, rs in by_sys.items():
             med = lambda key: statistics.median(r[key] for r in rs) if all(r.get(key) is not None for r in rs) else None  # noqa: E731
             drafted, accepted, drafts = (sum(r[key] for r in rs) for key in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
@@ -289,7 +293,8 @@ def summarize(records: list[dict], k: int) -> list[dict]:
                    "vs_colocated": tps[s] / col if col else None, "vs_target_only": tps[s] / base if base else None,
                    "vs_best_vllm": tps[s] / max(base or 0, col or 0) if (base or col) else None,
                    "acceptance": accepted / drafted if drafted else None, "tokens_per_step": 1 + accepted / drafts if drafts else None,
-                   "exact": None if ref is None else all(r["token_ids"] == ref for r in rs), "step_ms": None}
+                   "exact": None if ref is None else all(r["token_ids"] == ref for r in rs), "step_ms": None,
+                   "vs_best_vllm_by_round": rounds.get(s)}
             if s.startswith("specserve"):
                 blocks = sum(r["num_blocks"] for r in rs)
                 row.update({key: med(key) for key in ("verify_ms", "draft_wait_ms", "link_ms", "overhead_ms")})
@@ -310,14 +315,40 @@ def summarize(records: list[dict], k: int) -> list[dict]:
     return rows
 
 
+def per_round_ratios(group: list[dict], k: int) -> dict[str, list[float]]:
+    """Per system, its tok/s over the better vLLM row's in each round (one pair and batch size).
+
+    A round is one repeat: every system once, back to back, so the ratio of a round compares runs
+    minutes apart at most, where medians over the whole batch size compare runs the box's drift
+    can separate. Rounds missing a system or both vLLM rows are left out."""
+    vllm = ("vllm target-only", f"vllm colocated k={k}")
+    tps: dict[tuple[str, int], float] = {(r["system"], r["repeat"]): sum(map(len, r["token_ids"])) / r["wall_s"] for r in group}
+    out: dict[str, list[float]] = {}
+    for s in sorted({r["system"] for r in group} - set(vllm)):
+        for repeat in sorted({r["repeat"] for r in group}):
+            best = max((tps[(v, repeat)] for v in vllm if (v, repeat) in tps), default=None)
+            if best and (s, repeat) in tps:
+                out.setdefault(s, []).append(tps[(s, repeat)] / best)
+    return out
+
+
+def _rounds(ratios: list[float] | None) -> str:
+    """median (min-max), rounds at or above 1.0 of all."""
+    if not ratios:
+        return "-"
+    return (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), "
+            f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)}")
+
+
 def _fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else (f"{v:{spec}}" if not isinstance(v, bool) else ("yes" if v else "NO"))
 
 
 def table(rows: list[dict]) -> str:
     head = ("| pair | batch | system | tok/s (min-max) | vs colocated | vs target-only | acceptance | tokens/step | "
-            "ms/step: step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact | hidden B/token |")
-    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|---:|"]
+            "ms/step: step / verify / draft wait / link / overhead | hits | ahead | ideal | of ideal | exact | hidden B/token | "
+            "vs the better vLLM by round: median (min-max), rounds >= 1 |")
+    lines = [head, "|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|---:|---|"]
     for r in rows:
         split = (f"{_fmt(r['step_ms'], '.1f')} / {_fmt(r.get('verify_ms'), '.1f')} / {_fmt(r.get('draft_wait_ms'), '.1f')} / "
                  f"{_fmt(r.get('link_ms'), '.2f')} / {_fmt(r.get('overhead_ms'), '.2f')}")
@@ -325,7 +356,7 @@ def table(rows: list[dict]) -> str:
                      f"{_fmt(r['vs_colocated'])}x | {_fmt(r['vs_target_only'])}x | {_fmt(r['acceptance'])} | "
                      f"{_fmt(r['tokens_per_step'])} | {split} | {_fmt(r.get('hit_rate'))} | {_fmt(r.get('draft_ahead'))} | "
                      f"{_fmt(r.get('ideal'))}x | {_fmt(r.get('of_ideal'), '.0%')} | {_fmt(r['exact'])} | "
-                     f"{_fmt(r.get('hidden_bytes_per_token'), '.0f')} |")
+                     f"{_fmt(r.get('hidden_bytes_per_token'), '.0f')} | {_rounds(r.get('vs_best_vllm_by_round'))} |")
     return "\n".join(lines)
 
 
@@ -353,6 +384,17 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _from_json(path: Path, out: Path) -> dict:
+    data = json.loads(path.read_text())
+    rows = summarize(data["records"], data["args"]["k"])
+    text = f"vLLM side by side, summarized again from {path} (its run's settings: {data['args']})\n\n" + table(rows)
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tables.md").write_text(text + "\n")
+    plot(rows, out / "speedup_vs_batch.png")
+    return {"summary": rows, "records": data["records"]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: the demo pair, batch 1 and 8, one repeat, fewer systems")
@@ -376,7 +418,11 @@ def main(argv=None) -> dict:
                    help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
     p.add_argument("--systems", default=None, help="only these systems, comma-separated names as the table shows them")
     p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json, the plot [bench_out/vllm]")
+    p.add_argument("--from-json", metavar="RESULTS", help="measure nothing: the tables and plot again from an earlier run's "
+                   "results.json (its records), into --out")
     args = p.parse_args(argv)
+    if args.from_json:
+        return _from_json(Path(args.from_json), Path(args.out))
     q = args.quick
     args.pairs = (args.pairs or ("demo" if q else "demo,realistic")).split(",")
     args.batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if q else "1,8,32")).split(",")]

@@ -70,3 +70,33 @@ def test_stream_path_bench_streams_every_delta(tmp_path, capsys):
     assert row["tokens"] == 4 * 20  # every delta crossed the real TCP path
     assert row["steps"] >= 1 and {"cpu_s", "cpu_us_per_delta", "step_ms"} <= set(row)  # (counted from the first request in)
     assert "replica CPU us / delta" in capsys.readouterr().out
+
+
+def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsys):
+    """bench_vllm's per-round ratios: within each repeat, a speculative row over the faster of vLLM's rows
+    of that same repeat, and --from-json rebuilds the tables from a run's records without measuring."""
+    from benchmarks.bench_vllm import main as bench_vllm
+    from benchmarks.bench_vllm import per_round_ratios, summarize
+
+    tokens = [[1] * 10] * 4  # 40 tokens a run: tok/s = 40 / wall_s
+    walls = {"vllm target-only": [0.4, 0.2, 0.4], "vllm colocated k=4": [0.5, 0.5, 0.2], "specserve d=0ms": [0.2, 0.4, 0.4]}
+    spec = {"num_steps": 10, "num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 4, "num_blocks": 4, "num_cache_hits": 2,
+            "num_speculative_steps": 4, "verify_ms": 1.0, "draft_wait_ms": 0.5, "link_ms": 0.1, "overhead_ms": 0.2, "draft_compute_s": 0.01}
+    records = [{"pair": "demo", "system": s, "batch": 8, "repeat": i, "wall_s": w, "token_ids": tokens, "num_steps": 10,
+                "num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, **(spec if s.startswith("specserve") else {})}
+               for s, ws in walls.items() for i, w in enumerate(ws)]
+    # Round 0: 200 against max(100, 80); round 1: 100 against max(200, 80); round 2: 100 against max(100, 200).
+    assert per_round_ratios(records, 4) == {"specserve d=0ms": [2.0, 0.5, 0.5]}
+    assert per_round_ratios([r for r in records if not (r["system"] == "specserve d=0ms" and r["repeat"] == 1)], 4) == {
+        "specserve d=0ms": [2.0, 0.5]}  # a round without the system is left out, not counted as 0
+    rows = {r["system"]: r for r in summarize(records, 4)}
+    assert rows["specserve d=0ms"]["vs_best_vllm_by_round"] == [2.0, 0.5, 0.5]
+    assert rows["specserve d=0ms"]["vs_best_vllm"] == 1.0  # the medians' ratio: 100 / 100, where the rounds say 0.5x in 2 of 3
+    assert rows["vllm target-only"]["vs_best_vllm_by_round"] is None
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"args": {"k": 4}, "records": records}))
+    bench_vllm(["--from-json", str(results), "--out", str(tmp_path / "again")])
+    tables = (tmp_path / "again" / "tables.md").read_text()
+    assert "| 0.50x (0.50-2.00), 1/3 |" in tables and tables.splitlines()[0] in capsys.readouterr().out
+    assert (tmp_path / "again" / "speedup_vs_batch.png").read_bytes()[:8] == PNG
