@@ -422,7 +422,10 @@ def main(argv=None) -> dict:
                    "results.json (its records), into --out")
     args = p.parse_args(argv)
     if args.from_json:
-        return _from_json(Path(args.from_json), Path(args.out))
+        try:
+            return _from_json(Path(args.from_json), Path(args.out))
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # not a bench_vllm results.json
+            p.error(f"--from-json {args.from_json}: not a results.json this benchmark wrote ({type(exc).__name__}: {exc})")
     q = args.quick
     args.pairs = (args.pairs or ("demo" if q else "demo,realistic")).split(",")
     args.batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if q else "1,8,32")).split(",")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.bench_systems import main
@@ -100,3 +101,7 @@ def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsy
     tables = (tmp_path / "again" / "tables.md").read_text()
     assert "| 0.50x (0.50-2.00), 1/3 |" in tables and tables.splitlines()[0] in capsys.readouterr().out
     assert (tmp_path / "again" / "speedup_vs_batch.png").read_bytes()[:8] == PNG
+    for bad in (tmp_path / "missing.json", tmp_path / "again" / "tables.md"):
+        with pytest.raises(SystemExit):
+            bench_vllm(["--from-json", str(bad), "--out", str(tmp_path / "bad")])
+        assert f"--from-json {bad}: not a results.json this benchmark wrote" in capsys.readouterr().err
