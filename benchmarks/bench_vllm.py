@@ -262,12 +262,16 @@ def bench_pair(name: str, target: str, draft: str, args, log) -> list[dict]:
                 for sys_name in names[shift:] + names[:shift]:
                     rec = runners[sys_name].run(wave, batch, args.max_tokens, sustained)
                     records.append({"pair": name, "system": sys_name, "batch": batch, "repeat": repeat, **rec})
-                    n = sum(map(len, rec["token_ids"]))
-                    log(f"{name:9s} b={batch:<2d} r={repeat + 1} {sys_name:24s} {n / rec['wall_s']:8.1f} tok/s")
+                    log(f"{name:9s} b={batch:<2d} r={repeat + 1} {sys_name:24s} {tok_s(rec):8.1f} tok/s")
     finally:
         for r in runners.values():
             r.close()
     return records
+
+
+def tok_s(record: dict) -> float:
+    """One timed run's generated tokens per second."""
+    return sum(map(len, record["token_ids"])) / record["wall_s"]
 
 
 def summarize(records: list[dict], k: int) -> list[dict]:
@@ -278,7 +282,7 @@ def summarize(records: list[dict], k: int) -> list[dict]:
         by_sys: dict[str, list[dict]] = {}
         for r in group:
             by_sys.setdefault(r["system"], []).append(r)
-        tps = {s: statistics.median(sum(map(len, r["token_ids"])) / r["wall_s"] for r in rs) for s, rs in by_sys.items()}
+        tps = {s: statistics.median(map(tok_s, rs)) for s, rs in by_sys.items()}
         base, col = tps.get("vllm target-only"), tps.get(f"vllm colocated k={k}")
         ref = by_sys.get("vllm target-only", [{}])[0].get("token_ids")
         col_recs = by_sys.get(f"vllm colocated k={k}", [])
@@ -288,8 +292,7 @@ def summarize(records: list[dict], k: int) -> list[dict]:
             med = lambda key: statistics.median(r[key] for r in rs) if all(r.get(key) is not None for r in rs) else None  # noqa: E731
             drafted, accepted, drafts = (sum(r[key] for r in rs) for key in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
             row = {"pair": pair, "batch": batch, "system": s, "tok_s": tps[s],
-                   "tok_s_range": [min(sum(map(len, r["token_ids"])) / r["wall_s"] for r in rs),
-                                   max(sum(map(len, r["token_ids"])) / r["wall_s"] for r in rs)],
+                   "tok_s_range": [min(map(tok_s, rs)), max(map(tok_s, rs))],
                    "vs_colocated": tps[s] / col if col else None, "vs_target_only": tps[s] / base if base else None,
                    "vs_best_vllm": tps[s] / max(base or 0, col or 0) if (base or col) else None,
                    "acceptance": accepted / drafted if drafted else None, "tokens_per_step": 1 + accepted / drafts if drafts else None,
@@ -322,7 +325,7 @@ def per_round_ratios(group: list[dict], k: int) -> dict[str, list[float]]:
     minutes apart at most, where medians over the whole batch size compare runs the box's drift
     can separate. Rounds missing a system or both vLLM rows are left out."""
     vllm = ("vllm target-only", f"vllm colocated k={k}")
-    tps: dict[tuple[str, int], float] = {(r["system"], r["repeat"]): sum(map(len, r["token_ids"])) / r["wall_s"] for r in group}
+    tps = {(r["system"], r["repeat"]): tok_s(r) for r in group}
     out: dict[str, list[float]] = {}
     for s in sorted({r["system"] for r in group} - set(vllm)):
         for repeat in sorted({r["repeat"] for r in group}):
@@ -384,14 +387,18 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _from_json(path: Path, out: Path) -> dict:
-    data = json.loads(path.read_text())
-    rows = summarize(data["records"], data["args"]["k"])
-    text = f"vLLM side by side, summarized again from {path} (its run's settings: {data['args']})\n\n" + table(rows)
+def _report(out: Path, text: str, rows: list[dict]) -> None:
+    """The tables to stdout and ``out``/tables.md, the plot beside them."""
     print(text)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tables.md").write_text(text + "\n")
     plot(rows, out / "speedup_vs_batch.png")
+
+
+def _from_json(path: Path, out: Path) -> dict:
+    data = json.loads(path.read_text())
+    rows = summarize(data["records"], data["args"]["k"])
+    _report(out, f"vLLM side by side, summarized again from {path} (its run's settings: {data['args']})\n\n" + table(rows), rows)
     return {"summary": rows, "records": data["records"]}
 
 
@@ -474,11 +481,9 @@ def main(argv=None) -> dict:
             + (", with stat logging" if args.vllm_stats else ", without stat logging (vLLM's offline default, and specserve's)")
             + "\n\n"
             + table(rows))
-    print(text)
-    (out / "tables.md").write_text(text + "\n")
+    _report(out, text, rows)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "cores": cores, "wall_s": time.time() - started,
                                                   "summary": rows, "records": records}, indent=1))
-    plot(rows, out / "speedup_vs_batch.png")
     log(f"wrote {out / 'tables.md'}, {out / 'results.json'}, {out / 'speedup_vs_batch.png'}")
     return {"summary": rows, "records": records}
 
