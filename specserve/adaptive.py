@@ -6,16 +6,18 @@ An *arm* is one such choice, (k, cache only); (0, False) is target-only (nothing
 batch-size bucket, the controller keeps each arm's realized rate: tokens per sequence over the
 arm's mean cycle time, both over its last ``REALIZED_WINDOW`` steady cycles (a cycle is everything
 between the ends of two engine steps; steady: the third in a row on one arm, since the first
-cycles after a switch still pay for it; cycles over 3 x the window's median are left out). It
+cycles after a switch still pay for it; cycles over 3 x the window's median count as 3 x it; a
+draining batch's cycles, smaller than the bucket's last ``RECENT_BATCHES``, are not measured). It
 runs the best arm and, every ``probe_every`` choices of the bucket (backing off to ``PROBE_GAP`` x
 that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once they lose
 outright), probes a neighbour for ``probe_len`` steps (three times that between speculating and
 not; cut short once it scores under ``PROBE_CUT`` x the current arm (``_score``), sooner under
 ``PROBE_LOST`` x): k - 1, k + 1, the other mode, or target-only, the least recently measured
-first; a bucket's first choices run a fixed set of arms (``warmup_arms``) so each has a rate (the
-best speculative one then runs as a probe from target-only, measured afresh, before the bucket adopts
-it), unless a settled bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and target-only
-is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
+first (target-only first once the bucket has just left it for speculation); a bucket's first
+choices run a fixed set of arms (``warmup_arms``) so each has a rate (the best speculative one then
+runs as a probe from target-only, measured afresh, before the bucket adopts it), unless a settled
+bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and
+target-only is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
 and output handling) with nothing modelled, which is what makes the choice hold on both target
 engines: on the demo pair at batch 8 the cost model below had picked the worst arm (k = 3,
@@ -54,6 +56,8 @@ PROBE_LOST = 0.7  # a probe under this fraction of the current arm's rate has lo
 PROBE_LOST_CYCLES = 2  # ... at this many measured cycles, and probes back off further (``PROBE_GAP_LOST``)
 PROBE_GAP = 16  # probes back off to at most this many times ``probe_every`` choices apart ...
 PROBE_GAP_LOST = 64  # ... or this many once the last probe lost outright (the gap then grows 4 x a probe, not 2 x)
+CHALLENGE_LEAD = 4  # choices from finding a challenger to probing it (a k = 0 step hands the drafts their deltas then)
+RECENT_BATCHES = 8  # a cycle whose batch is smaller than one of the bucket's last this many is draining (not measured)
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -118,6 +122,8 @@ class _BucketState:
     choices: int = 0
     settle: bool = False  # a warm-up or probe just ended: choose the arm on the next choice
     confirmed: int = 0  # probes in a row that kept the current arm
+    challenger: Arm | None = None  # an arm rated above the current one, probed next (``_challenger``)
+    recent_batches: deque = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))  # batch sizes of the last cycles
 
 
 class SpeculationController:
@@ -147,8 +153,10 @@ class SpeculationController:
         self.arm: Arm | None = None  # this step's arm (None: no draft, nothing to measure)
         self._quiet_pushes = 0  # target-only steps of warm-ups (every 4th pushes the deltas)
         # SPECSERVE_TRACE=1: the last cycles (batch, tokens, ms, arm, pure, prompt tokens) in ``state()``, to see
-        # what the controller saw.
+        # what the controller saw, and its decisions (cycles seen, bucket, arm before, arm probed, arm after, arm
+        # probing on, the scores compared).
         self.trace = deque(maxlen=20000) if os.environ.get("SPECSERVE_TRACE") else None
+        self.decisions = deque(maxlen=2000) if self.trace is not None else None
 
     def warmup_arms(self, cache: bool) -> list[Arm]:
         """The arms a bucket runs first: target-only, then k = max, about max / 2 and 1 in each mode."""
@@ -207,11 +215,19 @@ class SpeculationController:
             self.trace.append((batch_size, num_tokens, round(seconds * 1e3, 2), arm, pure, prefill_tokens))
         b = _bucket(batch_size)
         self._cycles = (self._cycles + [(b, arm)])[-3:] if (pure and arm is not None) else []
+        state = self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
+        state.recent_batches.append(batch_size)
         if seconds <= 0 or len(self._cycles) < 3 or len(set(self._cycles)) != 1:
             return
-        # Per sequence: a bucket spans batch sizes (5 to 8 share one), and a probe caught in a draining
-        # batch must not look slow for it.
-        state = self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
+        # Per sequence: a bucket spans batch sizes (5 to 8 share one). A cycle of a batch smaller than
+        # the bucket's latest cycles ran (one draining: requests finished, none or fewer arrived) is
+        # left out: each of its sequences gets a step that costs less (on a CPU target a step's cost
+        # grows with its batch), so it flatters whichever arm meets the drain, and speculation meets
+        # more of it (its requests finish apart). On the demo pair at batch 8 a probe of k = 2 that ran
+        # from batch 8 down to 5 was adopted over target-only, measured at batch 8, and lost 28% of the
+        # next run.
+        if batch_size < max(state.recent_batches):
+            return
         window = state.realized.setdefault(arm, deque(maxlen=REALIZED_WINDOW))
         window.append((num_tokens / batch_size, seconds, batch_size, prefill_tokens))
         if state.probing == arm and state.queued and (
@@ -341,13 +357,23 @@ class SpeculationController:
             if state.current is None:
                 state.queued = [arm for arm in self.warmup_arms(cache) for _ in range(self._steps(arm, (self.max_k, cache)))]
         state.choices += 1
+        if state.settle and not state.queued:
+            # A settle may queue more of a probe (to extend it, or to measure the warm-up's best arm
+            # afresh): those steps start now. Run the current arm for this one step in between, and the
+            # probe paid two more switches and lost two more cycles to them each time (on the demo pair
+            # at batch 8 one step of k = 2 between every 5 of a cache-only probe being extended).
+            self._settle(b, state, cache)
         if state.queued:
             arm = state.queued.pop(0)
             state.settle = not state.queued  # decide on the next choice, once this step's cycle is in
         else:
-            if state.settle:
-                self._settle(b, state, cache)
             state.since_probe += 1
+            if state.since_probe % self.probe_every == 0 and state.since_probe + CHALLENGE_LEAD < state.gap:
+                # Between backed-off probes: an arm whose last rating is above the current arm's rate now
+                # (the current arm slowed, or the box did) is probed soon, not at the gap's end.
+                state.challenger = self._challenger(b, state, cache)
+                if state.challenger is not None:
+                    state.gap = state.since_probe + CHALLENGE_LEAD
             if state.since_probe >= state.gap and (probe := self._next_probe(b, state, cache)) is not None:
                 state.probing, state.since_probe = probe, 0
                 state.queued = [probe] * (self._steps(probe, state.current or (self.max_k, cache)) - 1)
@@ -384,6 +410,13 @@ class SpeculationController:
         return None if rate is None else rate / (1 + SPECULATION_MARGIN if arm[0] else 1)
 
     def _settle(self, b: int, state: _BucketState, cache: bool) -> None:
+        probed, before = state.probing, state.current
+        self._decide(b, state, cache)
+        if self.decisions is not None:  # (SPECSERVE_TRACE) what it decided on: the scores of the arms it compared
+            scores = {f"{a[0]}{'c' if a[1] else ''}": round(s, 1) for a in state.realized if (s := self._score(b, a)) is not None}
+            self.decisions.append((len(self.trace), b, before, probed, state.current, state.probing, scores))
+
+    def _decide(self, b: int, state: _BucketState, cache: bool) -> None:
         """After a warm-up or a probe: run the best measured arm if it beats the current one by the
         hysteresis and on enough cycles (a promising probe is extended until it has them: the best
         of a few noisy short measurements flatters itself); probes back off while they confirm the
@@ -410,6 +443,12 @@ class SpeculationController:
                     state.probing, state.queued, state.settle = best, [best] * self._steps(best, current), False
                     return
                 state.current, switched = best, current is not None
+                if switched and best[0] and not current[0]:
+                    # Into speculation on one probe's word, against target-only measured before it: the
+                    # first probe from here measures target-only again (it came last among four
+                    # neighbours, ~130 steps on, while on the demo pair at batch 8 the box had sped up
+                    # target-only's steps by a third and the bucket ran k = 2 at 0.72 x its rate).
+                    state.last_measured[TARGET_ONLY] = -1
         if state.probing is not None:  # a probe ended: the schedule adapts
             state.confirmed = 0 if switched else state.confirmed + 1
             if switched:
@@ -467,8 +506,30 @@ class SpeculationController:
         return candidates
 
     def _next_probe(self, b: int, state: _BucketState, cache: bool) -> Arm | None:
-        """The neighbour of the current arm measured least recently."""
+        """The challenger (``_challenger``) if there is one, else the neighbour of the current arm measured
+        least recently."""
+        challenger, state.challenger = state.challenger or self._challenger(b, state, cache), None
+        if challenger is not None:
+            return challenger
         return min(self._candidates(state, cache), key=lambda a: state.last_measured.get(a, -1))
+
+    def _challenger(self, b: int, state: _BucketState, cache: bool) -> Arm | None:
+        """The best-scored other arm if its last rating beats the current arm's score now by the hysteresis.
+        A probe only compares the arm it measured with the current one, so without this an arm kept
+        running after it fell behind a rating the bucket already held, until the backed-off probes came
+        round to it: on the demo pair at batch 8 cache-only k = 2 scored 79-94 for five whole runs while
+        target-only's rating stood at 113-133, with one or two probes a run, none of target-only. The
+        probe measures the challenger afresh: a stale rating that flattered it is replaced, and it stops
+        challenging."""
+        current = state.current
+        if current is None or len(state.realized.get(current, ())) < MIN_SWITCH_CYCLES:
+            return None
+        mine = self._score(b, current)
+        others = [a for a in state.realized if a != current and (cache or not a[1])]
+        best = self._best(b, state, cache, others)
+        if mine is None or best is None or self._score(b, best) <= mine * (1 + self.hysteresis):
+            return None
+        return best
 
     def probe_due_in(self, batch_size: int) -> int | None:
         """Choices until this bucket's next probe (None: warming up, or probing now)."""
@@ -493,7 +554,7 @@ class SpeculationController:
         realized = {f"{b}/{a[0]}{'c' if a[1] else ''}": round(rate, 1) for b, st in sorted(self.buckets.items())
                     for a in sorted(st.realized) if (rate := self.realized_rate(b, a)) is not None}
         arms = {str(b): f"{st.current[0]}{'c' if st.current[1] else ''}" for b, st in sorted(self.buckets.items()) if st.current}
-        extra = {"trace": list(self.trace)} if self.trace is not None else {}
+        extra = {"trace": list(self.trace), "decisions": list(self.decisions)} if self.trace is not None else {}
         return {**extra, "k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "realized_tokens_per_s": realized,
                 "arm_by_bucket": arms,  # (realized: tokens/s per sequence, by bucket and arm: k, 'c' for cache-only)
                 "acceptance_per_pos": list(self.acceptance),

@@ -359,3 +359,79 @@ def test_an_arm_rated_above_the_current_one_is_measured_again_though_no_neighbou
     stretches = [len(list(g)) for a, g in itertools.groupby(arms[warmup:]) if a == (4, False)]
     assert max(stretches) > 3 * ctrl.probe_len  # it was adopted (ran longer than any probe): what makes the case
     assert settled(arms, tail=200) == (1, False)
+
+
+def test_an_extended_probe_runs_back_to_back():
+    """A promising probe with too few measured cycles to switch on is extended: its further steps follow
+    at once. A step of the current arm between them cost two more switches and two more unmeasured cycles
+    each time (on the demo pair at batch 8: one step of k = 2 between every 5 of a cache-only k = 2 probe)."""
+    from specserve.adaptive import _BucketState
+
+    times = {(2, False): 0.020, (2, True): 0.010, TARGET_ONLY: 0.012}
+    ctrl = SpeculationController(max_k=2)
+    state = ctrl.buckets[8] = _BucketState(8, gap=1000)
+    state.current = (2, False)
+    for arm in (TARGET_ONLY, (2, False)):
+        for _ in range(20):
+            ctrl.observe_cycle(8, 16 if arm[0] else 8, times[arm], arm)
+    state.choices, state.probing = 1, (2, True)
+    state.queued = [(2, True)] * ctrl._steps((2, True), (2, False))
+    arms = run(ctrl, 8, Pair(0.6, times.get), 40)
+    first_other = next((i for i, a in enumerate(arms) if a != (2, True)), len(arms))
+    assert first_other > 3 * ctrl.probe_len and ctrl.buckets[8].current == (2, True), arms
+
+
+def test_the_first_probe_after_speculation_is_adopted_measures_target_only_again():
+    """Speculation is adopted on one probe's word against target-only measured before it; target-only is
+    measured again first, not after every other neighbour (on the demo pair at batch 8 it came ~130 steps
+    on, and the bucket ran at 0.72 x target-only's rate until then)."""
+    def seconds(arm):
+        return 0.010 if not arm[0] else {(2, True): 0.0105}.get(arm, 0.030)
+
+    ctrl = SpeculationController(max_k=4)
+    warmup = sum(ctrl._steps(a, (4, True)) for a in ctrl.warmup_arms(True))
+    arms = run(ctrl, 8, Pair(0.7, seconds), 400)
+    adopted = next(i for i in range(warmup, len(arms)) if arms[i] == (2, True) and ctrl.buckets[8].current)
+    after = [a for a in arms[adopted:] if a != (2, True)]
+    assert after and after[0] == TARGET_ONLY, arms[warmup:warmup + 120]
+
+
+def test_cycles_of_a_draining_batch_are_not_measured():
+    """A batch shrinking as its requests finish runs cheaper steps per sequence: those cycles would
+    flatter whichever arm met the drain. A batch that stays smaller is measured again."""
+    from specserve.adaptive import RECENT_BATCHES
+
+    ctrl = SpeculationController(max_k=4)
+    for _ in range(10):
+        ctrl.observe_cycle(8, 8, 0.012, TARGET_ONLY)
+    full = ctrl.realized_rate(8, TARGET_ONLY)
+    for batch in (7, 7, 6, 6, 5, 5):
+        ctrl.observe_cycle(batch, batch, 0.008, TARGET_ONLY)
+    assert ctrl.realized_rate(8, TARGET_ONLY) == full
+    for _ in range(RECENT_BATCHES + 4):
+        ctrl.observe_cycle(5, 5, 0.008, TARGET_ONLY)
+    assert ctrl.realized_rate(8, TARGET_ONLY) > full
+
+
+def test_an_arm_rated_above_the_current_one_is_probed_before_the_backed_off_gap():
+    """Probes had backed off (every neighbour lost, over and over), then the current arm slowed below a
+    rating the bucket holds: target-only is probed within ``probe_every`` choices and takes over, not at
+    the gap's end (on the demo pair at batch 8: cache-only k = 2 at 79-94 for five runs, target-only rated
+    113-133 and not probed); at a probe due anyway it goes before the neighbours measured less recently."""
+    from specserve.adaptive import CHALLENGE_LEAD, _BucketState
+
+    times = {TARGET_ONLY: 0.008, (2, True): 0.016}
+    for gap, rated_above, first in ((1000, True, 32 + CHALLENGE_LEAD), (1000, False, None), (32, True, 32)):
+        ctrl = SpeculationController(max_k=2)
+        state = ctrl.buckets[8] = _BucketState(8, gap=gap)
+        state.current, state.choices = (2, True), 1
+        state.last_measured[TARGET_ONLY] = 1  # (the neighbours measured least recently: probed first but for this)
+        for arm in (TARGET_ONLY, (2, True)):
+            for _ in range(20):
+                ctrl.observe_cycle(8, 12 if arm[0] else 8, times[arm] if rated_above or arm[0] else 0.020, arm)
+        arms = run(ctrl, 8, Pair(0.6, times.get), 3 * ctrl.probe_every)
+        if rated_above:  # rated at 125 tokens/s a sequence against the current arm's ~90
+            assert ctrl.probe_every == 32 and arms.index(TARGET_ONLY) == first - 1, (gap, arms)
+            assert ctrl.buckets[8].current == TARGET_ONLY
+        else:  # rated at 50: nothing challenges the current arm, and the backed-off gap holds
+            assert TARGET_ONLY not in arms
