@@ -13,11 +13,14 @@ that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once th
 outright), probes a neighbour for ``probe_len`` steps (three times that between speculating and
 not; cut short once it scores under ``PROBE_CUT`` x the current arm (``_score``), sooner under
 ``PROBE_LOST`` x): k - 1, k + 1, the other mode, or target-only, the least recently measured
-first (target-only first once the bucket has just left it for speculation); a bucket's first
+first (target-only first once the bucket has just left it for speculation, and within
+``probe_every`` choices once its rating beats the speculative arm's score); a bucket's first
 choices run a fixed set of arms (``warmup_arms``) so each has a rate (the best speculative one then
 runs as a probe from target-only, measured afresh, before the bucket adopts it), unless a settled
 bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and
-target-only is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. Measured cycle times carry
+target-only is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. A
+bucket leaves target-only for speculation only on a win beyond the noise of the two rates
+(``_beyond_noise``); a closer one is measured on more cycles first. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
 and output handling) with nothing modelled, which is what makes the choice hold on both target
 engines: on the demo pair at batch 8 the cost model below had picked the worst arm (k = 3,
@@ -37,6 +40,7 @@ cycle with its arm. Pure Python; knows nothing of models or transports.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections import deque
@@ -49,6 +53,7 @@ MIN_SWITCH_CYCLES = 8  # measured cycles an arm needs before the controller swit
 MEASURED_TOKENS_ROWS = 96  # sequence-steps in an arm's window from which its measured tokens replace the model's
 ACCEPTANCE_EMA = 0.02  # weight of a new observation in the per-position acceptance, once it has 50
 SPECULATION_MARGIN = 0.10  # how much a speculative arm's rate must beat target-only's by (``_best``)
+SWITCH_Z = 1.0  # leaving target-only: the win must exceed this many standard errors of the rates (``_beyond_noise``)
 PROBE_BEATEN = 2.0  # target-only is not probed while the current arm's rate is over this multiple of its own
 PROBE_CUT = 0.95  # a probe whose rate is under this fraction of the current arm's ends early ...
 PROBE_CUT_CYCLES = 4  # ... once it has this many measured cycles
@@ -122,7 +127,7 @@ class _BucketState:
     choices: int = 0
     settle: bool = False  # a warm-up or probe just ended: choose the arm on the next choice
     confirmed: int = 0  # probes in a row that kept the current arm
-    challenger: Arm | None = None  # an arm rated above the current one, probed next (``_challenger``)
+    challenger: Arm | None = None  # target-only, rated above the speculative arm now: probed next (``_challenger``)
     recent_batches: deque = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))  # batch sizes of the last cycles
 
 
@@ -369,8 +374,8 @@ class SpeculationController:
         else:
             state.since_probe += 1
             if state.since_probe % self.probe_every == 0 and state.since_probe + CHALLENGE_LEAD < state.gap:
-                # Between backed-off probes: an arm whose last rating is above the current arm's rate now
-                # (the current arm slowed, or the box did) is probed soon, not at the gap's end.
+                # Between backed-off probes: target-only, if its last rating is above what the speculative
+                # arm delivers now (that arm slowed, or the box did), is probed soon, not at the gap's end.
                 state.challenger = self._challenger(b, state, cache)
                 if state.challenger is not None:
                     state.gap = state.since_probe + CHALLENGE_LEAD
@@ -438,10 +443,16 @@ class SpeculationController:
         switched = False
         if best is not None and best != current:
             rate_best, rate_current = self._score(b, best), self._score(b, current) if current else None
-            if rate_current is None or rate_best > rate_current * (1 + self.hysteresis):
-                if current is not None and len(state.realized[best]) < MIN_SWITCH_CYCLES:
-                    state.probing, state.queued, state.settle = best, [best] * self._steps(best, current), False
+            wins = rate_current is None or rate_best > rate_current * (1 + self.hysteresis)
+            if wins and current is not None and len(state.realized[best]) < MIN_SWITCH_CYCLES:
+                state.probing, state.queued, state.settle = best, [best] * self._steps(best, current), False
+                return
+            if wins and current == TARGET_ONLY and best[0] and not self._beyond_noise(b, state, best, current):
+                if len(state.realized[best]) < REALIZED_WINDOW:  # measured on more cycles first
+                    state.probing, state.queued, state.settle = best, [best] * self.probe_len, False
                     return
+                wins = False  # still within the noise on a whole window: target-only stays
+            if wins:
                 state.current, switched = best, current is not None
                 if switched and best[0] and not current[0]:
                     # Into speculation on one probe's word, against target-only measured before it: the
@@ -461,6 +472,29 @@ class SpeculationController:
                 lost = self._losing(b, state, PROBE_LOST)
                 state.gap = min(state.gap * 4, self.probe_every * PROBE_GAP_LOST) if lost else min(state.gap * 2, self.probe_every * PROBE_GAP)
         state.probing, state.settle = None, False
+
+    def _beyond_noise(self, b: int, state: _BucketState, arm: Arm, other: Arm) -> bool:
+        """Whether ``arm`` out-scores ``other`` by the hysteresis and ``SWITCH_Z`` standard errors of the
+        two rates (each from the spread of its window's cycle times). Leaving target-only for speculation
+        asks this: on the demo pair at batch 8 the two arms' cycles deliver within a few percent of each
+        other, its cycles vary by 20-30% (6 to 30 ms around 9), and a probe of 13 cycles beat target-only
+        by the margin often enough that 3 to 5 of 8 runs speculated (losing 10-15% each) on a win that
+        the next probe did not see. A speculative arm that wins by more than the noise switches as soon as
+        it has ``MIN_SWITCH_CYCLES``; one that wins by less is measured on more cycles (the noise falls
+        with the square root of their number) up to a full window, and the bucket stays on target-only
+        if it is still within the noise there."""
+        def spread(a: Arm) -> float:  # the rate's relative standard error
+            seconds = [w[1] for w in state.realized[a]]
+            if len(seconds) < 2:
+                return float("inf")
+            cap = 3.0 * statistics.median(seconds)
+            seconds = [min(x, cap) for x in seconds]
+            return statistics.stdev(seconds) / statistics.fmean(seconds) / math.sqrt(len(seconds))
+
+        mine, theirs = self._score(b, arm), self._score(b, other)
+        if mine is None or theirs is None or mine <= 0 or theirs <= 0:
+            return False
+        return math.log(mine / theirs) - math.log1p(self.hysteresis) > SWITCH_Z * math.hypot(spread(arm), spread(other))
 
     def _inherited(self, b: int) -> Arm | None:
         """A new bucket's first arm from the settled buckets beside it, without a warm-up: speculation
@@ -514,22 +548,18 @@ class SpeculationController:
         return min(self._candidates(state, cache), key=lambda a: state.last_measured.get(a, -1))
 
     def _challenger(self, b: int, state: _BucketState, cache: bool) -> Arm | None:
-        """The best-scored other arm if its last rating beats the current arm's score now by the hysteresis.
-        A probe only compares the arm it measured with the current one, so without this an arm kept
-        running after it fell behind a rating the bucket already held, until the backed-off probes came
-        round to it: on the demo pair at batch 8 cache-only k = 2 scored 79-94 for five whole runs while
-        target-only's rating stood at 113-133, with one or two probes a run, none of target-only. The
-        probe measures the challenger afresh: a stale rating that flattered it is replaced, and it stops
-        challenging."""
+        """Target-only, when its last rating beats the speculative arm running now by the hysteresis. A
+        probe only compares the arm it measured with the current one, so without this a speculative
+        arm kept running after it fell behind target-only's rating, until the backed-off probes came
+        round to target-only: on the demo pair at batch 8 cache-only k = 2 scored 79-94 for five whole
+        runs while target-only's rating stood at 113-133, with one or two probes a run, none of
+        target-only. (Only target-only: stale ratings of the speculative arms, the best of a few noisy
+        cycles each, would challenge all the time; the probes reach the best-rated of them anyway.)"""
         current = state.current
-        if current is None or len(state.realized.get(current, ())) < MIN_SWITCH_CYCLES:
+        if current is None or not current[0] or len(state.realized.get(current, ())) < MIN_SWITCH_CYCLES:
             return None
-        mine = self._score(b, current)
-        others = [a for a in state.realized if a != current and (cache or not a[1])]
-        best = self._best(b, state, cache, others)
-        if mine is None or best is None or self._score(b, best) <= mine * (1 + self.hysteresis):
-            return None
-        return best
+        mine, plain = self._score(b, current), self._score(b, TARGET_ONLY)
+        return TARGET_ONLY if mine is not None and plain is not None and plain > mine * (1 + self.hysteresis) else None
 
     def probe_due_in(self, batch_size: int) -> int | None:
         """Choices until this bucket's next probe (None: warming up, or probing now)."""
