@@ -128,7 +128,6 @@ class _BucketState:
     settle: bool = False  # a warm-up or probe just ended: choose the arm on the next choice
     confirmed: int = 0  # probes in a row that kept the current arm
     challenger: Arm | None = None  # target-only, rated above the speculative arm now: probed next (``_challenger``)
-    recent_batches: deque = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))  # batch sizes of the last cycles
 
 
 class SpeculationController:
@@ -141,6 +140,7 @@ class SpeculationController:
         self.hysteresis = hysteresis
         self.buckets: dict[int, _BucketState] = {}
         self._cycles: list = []  # (bucket, arm) of the last cycles observed
+        self._recent_batches: dict[int, deque] = {}  # bucket -> batch sizes of its last RECENT_BATCHES cycles
         self.acceptance = [prior_acceptance] * max(max_k, 1)
         self._acceptance_n = [0] * max(max_k, 1)  # observations per position (the prior counts as one)
         # batch bucket -> cache-only blocks' P(at least j + 1 tokens): the tree per sequence shrinks as the batch grows
@@ -220,8 +220,8 @@ class SpeculationController:
             self.trace.append((batch_size, num_tokens, round(seconds * 1e3, 2), arm, pure, prefill_tokens))
         b = _bucket(batch_size)
         self._cycles = (self._cycles + [(b, arm)])[-3:] if (pure and arm is not None) else []
-        state = self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
-        state.recent_batches.append(batch_size)
+        recent = self._recent_batches.setdefault(b, deque(maxlen=RECENT_BATCHES))
+        recent.append(batch_size)
         if seconds <= 0 or len(self._cycles) < 3 or len(set(self._cycles)) != 1:
             return
         # Per sequence: a bucket spans batch sizes (5 to 8 share one). A cycle of a batch smaller than
@@ -231,8 +231,9 @@ class SpeculationController:
         # more of it (its requests finish apart). On the demo pair at batch 8 a probe of k = 2 that ran
         # from batch 8 down to 5 was adopted over target-only, measured at batch 8, and lost 28% of the
         # next run.
-        if batch_size < max(state.recent_batches):
+        if batch_size < max(recent):
             return
+        state = self.buckets.setdefault(b, _BucketState(b, gap=self.probe_every))
         window = state.realized.setdefault(arm, deque(maxlen=REALIZED_WINDOW))
         window.append((num_tokens / batch_size, seconds, batch_size, prefill_tokens))
         if state.probing == arm and state.queued and (
