@@ -6,7 +6,7 @@ An *arm* is one such choice, (k, cache only); (0, False) is target-only (nothing
 batch-size bucket, the controller keeps each arm's realized rate: tokens per sequence over the
 arm's mean cycle time, both over its last ``REALIZED_WINDOW`` steady cycles (a cycle is everything
 between the ends of two engine steps; steady: the third in a row on one arm, since the first
-cycles after a switch still pay for it; cycles over 3 x the window's median count as 3 x it; a
+cycles after a switch still pay for it; cycles over ``SLOW_CYCLE_CAP`` x the window's median count as that; a
 draining batch's cycles, smaller than the bucket's last ``RECENT_BATCHES``, are not measured). It
 runs the best arm and, every ``probe_every`` choices of the bucket (backing off to ``PROBE_GAP`` x
 that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once they lose
@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 REALIZED_WINDOW = 32  # cycles per arm and bucket that the realized rates are taken over
 MIN_SWITCH_CYCLES = 8  # measured cycles an arm needs before the controller switches to it
+SLOW_CYCLE_CAP = 3.0  # a cycle over this multiple of its window's median counts as this multiple (``realized_rate``)
 MEASURED_TOKENS_ROWS = 96  # sequence-steps in an arm's window from which its measured tokens replace the model's
 ACCEPTANCE_EMA = 0.02  # weight of a new observation in the per-position acceptance, once it has 50
 SPECULATION_MARGIN = 0.10  # how much a speculative arm's rate must beat target-only's by (``_best``)
@@ -293,7 +294,7 @@ class SpeculationController:
             return None
         per_token = self._prefill_cost(state)
         net = [(t, max(1e-6, s - per_token * p), n) for t, s, n, p in window]
-        cap = 3.0 * statistics.median(s for _, s, _ in net)
+        cap = SLOW_CYCLE_CAP * statistics.median(s for _, s, _ in net)
         kept = [(t, min(s, cap), n) for t, s, n in net]
         rows = sum(n for _, _, n in kept)
         tokens = (sum(t for t, _, _ in kept) / len(kept) if rows >= MEASURED_TOKENS_ROWS
@@ -488,7 +489,7 @@ class SpeculationController:
             seconds = [w[1] for w in state.realized[a]]
             if len(seconds) < 2:
                 return float("inf")
-            cap = 3.0 * statistics.median(seconds)
+            cap = SLOW_CYCLE_CAP * statistics.median(seconds)
             seconds = [min(x, cap) for x in seconds]
             return statistics.stdev(seconds) / statistics.fmean(seconds) / math.sqrt(len(seconds))
 
