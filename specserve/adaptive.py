@@ -6,7 +6,8 @@ An *arm* is one such choice, (k, cache only); (0, False) is target-only (nothing
 batch-size bucket, the controller keeps each arm's realized rate: tokens per sequence over the
 arm's mean cycle time, both over its last ``REALIZED_WINDOW`` steady cycles (a cycle is everything
 between the ends of two engine steps; steady: the third in a row on one arm, since the first
-cycles after a switch still pay for it; cycles over ``SLOW_CYCLE_CAP`` x the window's median count as that; a
+cycles after a switch still pay for it, and target-only's eighth after speculation
+(``SETTLE_TO_CYCLES``); cycles over ``SLOW_CYCLE_CAP`` x the window's median count as that; a
 draining batch's cycles, smaller than the bucket's last ``RECENT_BATCHES``, are not measured). It
 runs the best arm and, every ``probe_every`` choices of the bucket (backing off to ``PROBE_GAP`` x
 that while probes confirm the choice, faster and to ``PROBE_GAP_LOST`` x once they lose
@@ -64,6 +65,8 @@ PROBE_GAP = 16  # probes back off to at most this many times ``probe_every`` cho
 PROBE_GAP_LOST = 64  # ... or this many once the last probe lost outright (the gap then grows 4 x a probe, not 2 x)
 CHALLENGE_LEAD = 4  # choices from finding a challenger to probing it (a k = 0 step hands the drafts their deltas then)
 RECENT_BATCHES = 8  # a cycle whose batch is smaller than one of the bucket's last this many is draining (not measured)
+SETTLE_CYCLES = 3  # a run of one arm is measured from its this-many-th cycle (the first pay for the switch) ...
+SETTLE_TO_CYCLES = 8  # ... target-only's after speculation from this one (``observe_cycle``)
 
 
 def _ema(old: float | None, new: float, w: float = 0.1) -> float:
@@ -140,7 +143,8 @@ class SpeculationController:
         self.prior_token_cost = prior_token_cost
         self.hysteresis = hysteresis
         self.buckets: dict[int, _BucketState] = {}
-        self._cycles: list = []  # (bucket, arm) of the last cycles observed
+        self._run: tuple = (None, None, 0, False)  # the cycles' current run: bucket, arm, length, after speculation
+        self._last_arm: Arm | None = None  # the arm of the last pure cycle
         self._recent_batches: dict[int, deque] = {}  # bucket -> batch sizes of its last RECENT_BATCHES cycles
         self.acceptance = [prior_acceptance] * max(max_k, 1)
         self._acceptance_n = [0] * max(max_k, 1)  # observations per position (the prior counts as one)
@@ -220,10 +224,23 @@ class SpeculationController:
         if self.trace is not None:
             self.trace.append((batch_size, num_tokens, round(seconds * 1e3, 2), arm, pure, prefill_tokens))
         b = _bucket(batch_size)
-        self._cycles = (self._cycles + [(b, arm)])[-3:] if (pure and arm is not None) else []
+        if not (pure and arm is not None):  # (whether speculation ran before carries over an impure cycle)
+            self._run = (None, None, 0, self._run[3])
+        elif self._run[:2] == (b, arm):
+            self._run = (b, arm, self._run[2] + 1, self._run[3])
+        else:
+            self._run = (b, arm, 1, bool(self._last_arm and self._last_arm[0]))
+        if pure and arm is not None:
+            self._last_arm = arm
         recent = self._recent_batches.setdefault(b, deque(maxlen=RECENT_BATCHES))
         recent.append(batch_size)
-        if seconds <= 0 or len(self._cycles) < 3 or len(set(self._cycles)) != 1:
+        # Target-only right after speculation settles longest: serving the demo pair at 8 clients (one traced
+        # level, 2-4 probes) its first 8 cycles ran at 1.2-2.6 x a steady one's time, so a probe of it
+        # measured from its third cycle lost outright to the speculative arm (under 0.7 x its score) and
+        # came back 64 probe gaps later; in uniform batches the first 2 ran at 1.7 and 1.2 x, the next ~10
+        # at ~1.1 x.
+        settle = SETTLE_TO_CYCLES if (arm == TARGET_ONLY and self._run[3]) else SETTLE_CYCLES
+        if seconds <= 0 or self._run[2] < settle:
             return
         # Per sequence: a bucket spans batch sizes (5 to 8 share one). A cycle of a batch smaller than
         # the bucket's latest cycles ran (one draining: requests finished, none or fewer arrived) is
@@ -408,8 +425,11 @@ class SpeculationController:
     def _steps(self, arm: Arm, other: Arm) -> int:
         """How long to run ``arm`` when measuring it against ``other``: three probe lengths across
         speculating and not (the choice that matters most, between arms up to tens of percent
-        apart, whose first cycles after the switch are not measured), one between neighbours."""
-        return self.probe_len * (3 if bool(arm[0]) != bool(other[0]) else 1)
+        apart, whose first cycles after the switch are not measured), one between neighbours;
+        target-only after speculation as many more as its longer settling leaves unmeasured."""
+        if bool(arm[0]) == bool(other[0]):
+            return self.probe_len
+        return 3 * self.probe_len + (SETTLE_TO_CYCLES - SETTLE_CYCLES if not arm[0] else 0)
 
     def _score(self, b: int, arm: Arm) -> float | None:
         """``arm``'s realized rate, a speculative arm's discounted by ``SPECULATION_MARGIN``."""
