@@ -19,7 +19,15 @@ role's share of it (the models, the HTTP layer, the client, Ray's and Serve's ow
 ``cpu_share``) and how busy the draft's core was. Prints a table, writes ``--out``/serve.{md,json}
 and a plot.
 
+``--rounds N`` (N > 1) pairs the servers: all of them run at once (at most one specserve server), and
+each level is measured N times, every server once a round in an order that rotates, so a slow
+moment of the box falls on all alike; the table then gives each server's median over the rounds and
+its ratio to the better vLLM server round by round (median, range, rounds at or above 1.0). One at a
+time (the default), the servers meet the box's drift minutes apart: on 2026-11-28 vLLM's colocated
+server went from 1.41x to 1.82x ``vllm serve`` at one client between two such runs.
+
     python -m benchmarks.bench_serve [--concurrency 1,8,32] [--num-prompts 32] [--shared-cores]
+    python -m benchmarks.bench_serve --rounds 3 --servers "vllm serve,vllm serve colocated k=4,specserve serve vllm"
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -166,12 +175,17 @@ def main(argv=None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--servers", default=None, help="only these, comma-separated, as the table names them")
     parser.add_argument("--shared-cores", action="store_true", help="every process on every core (no device emulation)")
-    parser.add_argument("--port", type=int, default=8141, help="specserve's port; Serve's proxy takes the next (direct ingress) and vLLM's servers the one after")
+    parser.add_argument("--port", type=int, default=8141, help="specserve's port; Serve's proxy takes the next (direct ingress), vLLM's servers the two after")
     parser.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
                         help="how HTTP reaches specserve's router: the router replica's own server (Serve's direct ingress, "
                              "the default of `specserve serve`) or Serve's proxy [direct]")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="N > 1: every server up at once (at most one specserve server), each level measured N times, "
+                             "the servers in a rotating order each round, ratios paired by round [1: one server at a time]")
     parser.add_argument("--out", default="bench_out/serve")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     from ray import serve
 
@@ -182,7 +196,7 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     vllm_port = args.port + 2  # the router (or Serve's proxy) holds --port, and under direct ingress the proxy the next
     servers = {"vllm serve": lambda: VLLMServer(target, None, args.k, vllm_port, logs / "vllm.log"),
-               f"vllm serve colocated k={args.k}": lambda: VLLMServer(target, draft, args.k, vllm_port, logs / "vllm-colocated.log"),
+               f"vllm serve colocated k={args.k}": lambda: VLLMServer(target, draft, args.k, vllm_port + 1, logs / "vllm-colocated.log"),
                "specserve serve": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=False),
                "specserve serve vllm": lambda: SpecserveServer(target, draft, args.k, args.port, vllm_target=True)}
     for vllm_target, name in ((False, "specserve serve first-step drafts"), (True, "specserve serve vllm first-step drafts")):
@@ -195,6 +209,8 @@ def main(argv=None) -> int:
         if unknown:
             raise SystemExit(f"unknown --servers {unknown}: choose from {list(servers)}")
         servers = {name: servers[name] for name in wanted}
+    if args.rounds > 1 and sum(name.startswith("specserve") for name in servers) > 1:
+        raise SystemExit("--rounds runs every server at once: choose at most one specserve server with --servers")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
@@ -212,43 +228,100 @@ def main(argv=None) -> int:
         cores = None if cluster.target_cpus is None else (set(cluster.target_cpus), set(cluster.draft_cpus))
         start_serve("127.0.0.1", args.port, logging_config={"log_level": "WARNING"})
         where += f"; HTTP to specserve through {'the router replica (direct ingress)' if args.ingress == 'direct' else 'Serve proxy'}"
-        for name, start in servers.items():
-            print(f"starting {name} ...", flush=True)
-            server = start()
+        def level(name: str, server, c: int, tmp: str, round_: int) -> None:
+            before = _spec_counters(server)
+            r = run_client(server.base, target, c, args, Path(tmp), cores)
+            after = _spec_counters(server)
+            if before and after:  # (warm-up included: the registry's counters have no marks)
+                tokens = after["specserve_num_generation_tokens"] - before["specserve_num_generation_tokens"]
+                drafts = after["specserve_spec_decode_num_drafts"] - before["specserve_spec_decode_num_drafts"]
+                r["drafted_share"] = drafts / tokens if tokens else None
+            rows.append({"server": name, "concurrency": c, "round": round_, **r})
+            print(f"{name:32s} c={c:<3d} r={round_ + 1} {r['output_tok_s']:8.1f} tok/s  TTFT {r['median_ttft_ms']:7.1f} ms  "
+                  f"TPOT {r['median_tpot_ms']:6.2f} ms  failed {r['failed']}", flush=True)
+
+        if args.rounds == 1:  # one server at a time
+            for name, start in servers.items():
+                print(f"starting {name} ...", flush=True)
+                server = start()
+                try:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        for c in levels:
+                            level(name, server, c, tmp, 0)
+                finally:
+                    server.close()
+        else:  # paired: every server up, each round every server once, in an order that rotates
+            running = {}
             try:
+                for name, start in servers.items():
+                    print(f"starting {name} ...", flush=True)
+                    running[name] = start()
+                names = list(running)
                 with tempfile.TemporaryDirectory() as tmp:
                     for c in levels:
-                        before = _spec_counters(server)
-                        r = run_client(server.base, target, c, args, Path(tmp), cores)
-                        after = _spec_counters(server)
-                        if before and after:  # (warm-up included: the registry's counters have no marks)
-                            tokens = after["specserve_num_generation_tokens"] - before["specserve_num_generation_tokens"]
-                            drafts = after["specserve_spec_decode_num_drafts"] - before["specserve_spec_decode_num_drafts"]
-                            r["drafted_share"] = drafts / tokens if tokens else None
-                        rows.append({"server": name, "concurrency": c, **r})
-                        print(f"{name:32s} c={c:<3d} {r['output_tok_s']:8.1f} tok/s  TTFT {r['median_ttft_ms']:7.1f} ms  "
-                              f"TPOT {r['median_tpot_ms']:6.2f} ms  failed {r['failed']}", flush=True)
+                        for round_ in range(args.rounds):
+                            shift = round_ % len(names)
+                            for name in names[shift:] + names[:shift]:
+                                level(name, running[name], c, tmp, round_)
             finally:
-                server.close()
+                for server in running.values():
+                    server.close()
         serve.shutdown()
+        where += f"; {args.rounds} rounds, every server up, in a rotating order" if args.rounds > 1 else "; one server at a time"
     lines = [f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
              f"greedy, ignore_eos; {args.num_prompts} prompts per level, at least {args.requests_per_client} per client, after {args.warmups_per_client} untimed per client); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs; one run", "",
              "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms | "
              "target's cores, % of one: model / http / client / ray/serve / other | draft's cores busy % | draft blocks per token |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
-    for r in rows:
-        best = max((x["output_tok_s"] for x in rows if x["concurrency"] == r["concurrency"] and x["server"].startswith("vllm")),
-                   default=None)
-        ratio = f"{r['output_tok_s'] / best:.2f}x" if best else "-"
-        lines.append(f"| {r['server']} | {r['concurrency']} | {r['completed']} / {r['failed']} | {r['output_tok_s']:.1f} | {ratio} | "
-                     f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {_cpu(r.get('target_cores_cpu'))} | "
-                     f"{_cpu(r.get('draft_cores_cpu'), total=True)} | {_fmt(r.get('drafted_share'))} |")
+    paired = args.rounds > 1
+    if paired:  # medians over the rounds; the ratio paired by round
+        lines[0] += f"; medians of {args.rounds} rounds"
+        lines[2] = lines[2][:-1] + "| vs best vLLM by round: median (min-max), rounds >= 1 |"
+        lines[3] += "---|"
+    summary = summarize(rows)
+    for r in summary:
+        ratio = f"{r['vs_best_vllm']:.2f}x" if r["vs_best_vllm"] is not None else "-"
+        line = (f"| {r['server']} | {r['concurrency']} | {r['completed']} / {r['failed']} | {r['output_tok_s']:.1f} | {ratio} | "
+                f"{r['median_ttft_ms']:.1f} | {r['median_tpot_ms']:.2f} | {_cpu(r.get('target_cores_cpu'))} | "
+                f"{_cpu(r.get('draft_cores_cpu'), total=True)} | {_fmt(r.get('drafted_share'))} |")
+        if paired:
+            by_round = r["vs_best_vllm_by_round"]
+            line += (f" {statistics.median(by_round):.2f}x ({min(by_round):.2f}-{max(by_round):.2f}), "
+                     f"{sum(x >= 1.0 for x in by_round)}/{len(by_round)} |" if by_round else " - |")
+        lines.append(line)
     print("\n".join(lines))
     (out / "serve.md").write_text("\n".join(lines) + "\n")
-    (out / "serve.json").write_text(json.dumps({"args": vars(args), "where": where, "rows": rows}, indent=1))
-    _plot(rows, levels, out / "serve.png")
+    (out / "serve.json").write_text(json.dumps({"args": vars(args), "where": where, "rows": rows, "summary": summary}, indent=1))
+    _plot(summary, levels, out / "serve.png")
     print(f"wrote {out / 'serve.md'}, {out / 'serve.json'}, {out / 'serve.png'}")
     return 0
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per server and level: medians over its rounds (the round with the median rate gives the CPU
+    columns), requests summed, and its rate against the better vLLM server's, overall (medians) and round
+    by round (each round's runs are back to back, so the box's drift moves them alike)."""
+    out = []
+    for name, c in dict.fromkeys((r["server"], r["concurrency"]) for r in rows):
+        mine = sorted((r for r in rows if r["server"] == name and r["concurrency"] == c), key=lambda r: r["output_tok_s"])
+        vllm = {}  # round -> the better vLLM server's rate
+        for r in rows:
+            if r["concurrency"] == c and r["server"].startswith("vllm"):
+                vllm[r.get("round", 0)] = max(vllm.get(r.get("round", 0), 0.0), r["output_tok_s"])
+        medians = {s: statistics.median(r["output_tok_s"] for r in rows if r["server"] == s and r["concurrency"] == c)
+                   for s in {r["server"] for r in rows if r["concurrency"] == c and r["server"].startswith("vllm")}}
+        middle = mine[(len(mine) - 1) // 2]
+        rate = statistics.median(r["output_tok_s"] for r in mine)
+        shares = [r["drafted_share"] for r in mine if r.get("drafted_share") is not None]
+        out.append({**{k: middle[k] for k in ("target_cores_cpu", "draft_cores_cpu") if k in middle},
+                    "server": name, "concurrency": c, "rounds": len(mine),
+                    "completed": sum(r["completed"] for r in mine), "failed": sum(r["failed"] for r in mine),
+                    "output_tok_s": rate, "median_ttft_ms": statistics.median(r["median_ttft_ms"] for r in mine),
+                    "median_tpot_ms": statistics.median(r["median_tpot_ms"] for r in mine),
+                    "drafted_share": statistics.median(shares) if shares else None,
+                    "vs_best_vllm": rate / max(medians.values()) if medians else None,
+                    "vs_best_vllm_by_round": [r["output_tok_s"] / vllm[r.get("round", 0)] for r in mine if vllm.get(r.get("round", 0))]})
+    return out
 
 
 def _spec_counters(server) -> dict:
