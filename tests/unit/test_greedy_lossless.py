@@ -97,7 +97,7 @@ def test_adaptive_k_never_changes_greedy_output(tiny_pair, reference, ahead):
     # k really varied. Which k the controller picks after its warm-up follows measured timings (and
     # so do the per-request drafted-token counts); that it varies does not: a bucket's warm-up runs
     # target-only, max, (max + 1) // 2 and 1 on its first steps whatever the timings.
-    warmup = len(controller.warmup_arms(ahead)) * controller.probe_len
+    warmup = sum(controller._steps(a, (controller.max_k, ahead)) for a in controller.warmup_arms(ahead))
     assert len(set(chosen[:warmup])) > 1, chosen
 
 
