@@ -152,3 +152,90 @@ def test_a_deepseek_mtp_layer_on_cuda_equals_target_only(mtp_target):
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == ref
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+# Logits processing, logprobs and structured outputs on the GPU. Each check is a function of the device so
+# that it can be run on a CPU too (the tests below call it with "cuda").
+PROCESSING = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4, "logit_bias": {12: 2.0, 30: 3.0}}
+
+
+def check_processing_keeps_greedy_lossless(pair: dict, device: str) -> None:
+    """Penalties and a bias applied to the target's rows on the device at every verified position: greedy
+    output equals target-only with the same parameters; a draft with the target's weights, processing its
+    proposals the same way on the device, has every draft accepted."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PROCESSING)
+    with LLM(pair["target"], dtype="float32", device=device) as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        plain = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                                   use_tqdm=False)]
+    assert ref != plain  # the processing moves the output, so the checks below can fail
+    for draft in (pair["perturbed"], pair["same"]):
+        with LLM(pair["target"], draft=draft, num_speculative_tokens=4, dtype="float32", device=device, adaptive=False) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == ref, draft
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        assert drafted > 0
+        if draft == pair["same"]:
+            assert sum(o.metrics.num_accepted_tokens for o in outs) == drafted
+
+
+def check_logprobs_do_not_depend_on_speculation(pair: dict, device: str) -> None:
+    """Logprobs come from the target's rows on the device: the same with and without speculation, and the
+    model's own log-softmax after each output's prefix."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    runs = []
+    for kw in ({}, {"draft": pair["perturbed"], "num_speculative_tokens": 4, "adaptive": False}):
+        with LLM(pair["target"], dtype="float64", device=device, **kw) as llm:
+            runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+    plain, spec = runs
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_accepted_tokens for o in spec) > 0
+    model = AutoModelForCausalLM.from_pretrained(pair["target"], dtype=torch.float64).to(device).eval()
+    for prompt, a, b in zip(PROMPTS, plain, spec):
+        with torch.no_grad():
+            ids = torch.tensor([prompt + a.token_ids], device=device)
+            ref = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1], dim=-1).cpu()
+        for j, (x, y, tok) in enumerate(zip(a.logprobs, b.logprobs, a.token_ids)):
+            assert x[0][0] == tok == y[0][0] and len(x) == len(y) == 4
+            assert abs(x[0][1] - y[0][1]) < 1e-6 and abs(x[0][1] - ref[j, tok].item()) < 1e-6
+            assert [t for t, _ in y[1:]] == ref[j].topk(3).indices.tolist()
+
+
+def check_structured_greedy_equals_target_only(device: str) -> None:
+    """xgrammar's mask (built on the host) applied to the target's rows on the device: greedy constrained
+    output with the demo draft equals target-only constrained decoding, and finished outputs parse."""
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "size": {"type": "integer"}},
+              "required": ["name", "size"]}
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=("json", json.dumps(schema)))
+    prompts = ["def parse(text):\n", "class Stack:\n", "import "]
+    with LLM("demo:target", dtype="float32", device=device) as llm:
+        ref = llm.generate(prompts, params, use_tqdm=False)
+    with LLM("demo:target", draft="demo:draft", dtype="float32", device=device, num_speculative_tokens=4,
+             adaptive=False) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    for o in outs:
+        if o.finish_reason == "stop":
+            value = json.loads(o.text)
+            assert isinstance(value["name"], str) and isinstance(value["size"], int)
+
+
+@needs_cuda
+def test_processing_on_cuda_keeps_greedy_lossless(tiny_pair):
+    check_processing_keeps_greedy_lossless(tiny_pair, "cuda")
+
+
+@needs_cuda
+def test_logprobs_on_cuda_do_not_depend_on_speculation(tiny_pair):
+    check_logprobs_do_not_depend_on_speculation(tiny_pair, "cuda")
+
+
+@needs_cuda
+def test_structured_outputs_on_cuda_equal_target_only():
+    pytest.importorskip("xgrammar")
+    check_structured_greedy_equals_target_only("cuda")
