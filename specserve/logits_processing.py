@@ -93,6 +93,17 @@ class SeqProcessor:
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
         if params.repetition_penalty != 1.0:
             self.in_prompt[torch.tensor([t for t in prompt_token_ids if t < vocab_size], dtype=torch.long)] = True
+        self._device = torch.device("cpu")  # where the tensors above live: moved to the logits' device on first use
+
+    def _on(self, device: torch.device) -> None:
+        """Move this sequence's masks, ids and biases to ``device`` (a target or draft on a GPU), once."""
+        if device == self._device:
+            return
+        if self.banned is not None:
+            self.banned = self.banned.to(device)
+        self.stop_ids, self.bias_ids = self.stop_ids.to(device), self.bias_ids.to(device)
+        self.bias, self.in_prompt = self.bias.to(device), self.in_prompt.to(device)
+        self._device = device
 
     def for_draft(self) -> DraftProcessing | None:
         """What of this processing a draft can apply to its proposals (all but a grammar); None: nothing."""
@@ -109,13 +120,14 @@ class SeqProcessor:
         ``drafts[:j]``; returns them processed (half precision as float32, as vLLM does)."""
         x = (logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits).clone()
         p = self.params
+        self._on(x.device)
         if self.grammar is not None:  # each row's mask after the drafts before it (structured outputs)
             x.masked_fill_(~self.grammar.allowed(drafts, x.shape[0]).to(x.device), float("-inf"))
         output = list(token_ids[self.prompt_len:])
         counts = None
         if self.penalties:
             counts = torch.bincount(torch.tensor([t for t in output if t < self.vocab], dtype=torch.long),
-                                    minlength=self.vocab).to(x.dtype)
+                                    minlength=self.vocab).to(device=x.device, dtype=x.dtype)
         for j in range(x.shape[0]):
             if j:
                 output.append(drafts[j - 1])
@@ -131,7 +143,7 @@ class SeqProcessor:
             if len(output) < p.min_tokens and self.stop_ids.numel():
                 row[self.stop_ids] = float("-inf")
             if self.bias_ids.numel():
-                row[self.bias_ids] += self.bias
+                row[self.bias_ids] += self.bias.to(x.dtype)
             if counts is not None:
                 if p.repetition_penalty != 1.0:
                     seen = self.in_prompt | (counts > 0)

@@ -162,7 +162,9 @@ PROCESSING = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_pen
 def check_processing_keeps_greedy_lossless(pair: dict, device: str) -> None:
     """Penalties and a bias applied to the target's rows on the device at every verified position: greedy
     output equals target-only with the same parameters; a draft with the target's weights, processing its
-    proposals the same way on the device, has every draft accepted."""
+    proposals the same way on the device, has every draft accepted; sampled with min-p and allowed tokens,
+    only allowed tokens come out. (On 2026-11-28 a lent H200 failed this: the processor's ids, biases and
+    masks stayed on the CPU.)"""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PROCESSING)
     with LLM(pair["target"], dtype="float32", device=device) as llm:
         ref = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -177,6 +179,13 @@ def check_processing_keeps_greedy_lossless(pair: dict, device: str) -> None:
         assert drafted > 0
         if draft == pair["same"]:
             assert sum(o.metrics.num_accepted_tokens for o in outs) == drafted
+    # Sampled, with min-p and allowed tokens too: every token drawn is an allowed one.
+    allowed = [3, 7, 11, 19, 23, 29, 31, 37, 41, 43]
+    sampled = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s, min_p=0.05, allowed_token_ids=allowed,
+                              **PROCESSING) for s in range(len(PROMPTS))]
+    with LLM(pair["target"], draft=pair["perturbed"], num_speculative_tokens=4, dtype="float32", device=device) as llm:
+        outs = llm.generate(PROMPTS, sampled, use_tqdm=False)
+    assert all(len(o.token_ids) == 16 and set(o.token_ids) <= set(allowed) for o in outs)
 
 
 def check_logprobs_do_not_depend_on_speculation(pair: dict, device: str) -> None:
