@@ -179,6 +179,9 @@ def main(argv=None) -> int:
     parser.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
                         help="how HTTP reaches specserve's router: the router replica's own server (Serve's direct ingress, "
                              "the default of `specserve serve`) or Serve's proxy [direct]")
+    parser.add_argument("--head", choices=("target", "draft"), default="target",
+                        help="which box is Ray's head node: it holds Ray's and Serve's control plane and specserve's router "
+                             "(direct ingress) and Registry [target, as the cluster YAMLs]")
     parser.add_argument("--rounds", type=int, default=1,
                         help="N > 1: every server up at once (at most one specserve server), each level measured N times, "
                              "the servers in a rotating order each round, ratios paired by round [1: one server at a time]")
@@ -220,10 +223,11 @@ def main(argv=None) -> int:
         os.environ.update(direct_ingress_env(args.port))
     else:
         os.environ.pop(SWITCH, None)
-    with local_cluster(two_device=not args.shared_cores) as cluster:
+    with local_cluster(two_device=not args.shared_cores, head=args.head) as cluster:
         where = ("shared cores" if cluster.target_cpus is None else
                  f"two-device harness: target, vLLM's servers and the client on cores {sorted(cluster.target_cpus)}, "
-                 f"specserve's draft on {sorted(cluster.draft_cpus)}")
+                 f"specserve's draft on {sorted(cluster.draft_cpus)}; Ray's head (its control plane, Serve's controller, "
+                 f"specserve's router and Registry) on the {args.head}'s")
         print(where, flush=True)
         cores = None if cluster.target_cpus is None else (set(cluster.target_cpus), set(cluster.draft_cpus))
         start_serve("127.0.0.1", args.port, logging_config={"log_level": "WARNING"})

@@ -15,7 +15,7 @@ import os
 from ray import serve
 
 from ..config import SpecserveConfig
-from .ingress import router_placement
+from .ingress import HEAD, router_placement
 from .router import Router
 
 logger = logging.getLogger("specserve.serve")
@@ -76,7 +76,8 @@ def build_app(args: dict) -> serve.Application:
     # then changes only that deployment's options and restarts nothing else.
     scale = {"num_replicas", "autoscaling"}
     dump = cfg.model_dump(exclude={"target": scale, "draft": scale, "server": {"router_num_replicas"}})
-    registry = serve.deployment(Registry, name="Registry", ray_actor_options={"num_cpus": 0}, num_replicas=1,
+    # The Registry is control plane: on the head node, beside Serve's controller (not on a model's box by chance).
+    registry = serve.deployment(Registry, name="Registry", ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}}, num_replicas=1,
                                 max_ongoing_requests=1000, logging_config={"enable_access_log": False}).bind()
     if not ray.is_initialized():
         ray.init(address="auto")
