@@ -419,6 +419,8 @@ def main(argv=None) -> dict:
                    "default: off, vLLM's offline default, as specserve's vLLM target runs)")
     p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (default: eager, fast starts)")
     p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
+    p.add_argument("--head", choices=("target", "draft"), default="target",
+                   help="which box is Ray's head node (its control plane, Serve's controller) [target, as the cluster YAMLs]")
     p.add_argument("--vllm-multiprocessing", action="store_true",
                    help="vLLM's own systems with vLLM's default engine-core process (default: in the actor's process, as specserve's target)")
     p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
@@ -466,14 +468,14 @@ def main(argv=None) -> dict:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     started = time.time()
     records = []
-    with local_cluster(two_device=not args.shared_cores) as cluster:
+    with local_cluster(two_device=not args.shared_cores, head=args.head) as cluster:
         cores = {"target": sorted(cluster.target_cpus or []), "draft": sorted(cluster.draft_cpus or [])}
         log(f"two-device harness: target node on cores {cores['target'] or 'all'}, draft node on {cores['draft'] or 'all'}")
         for name, (target, draft) in pairs.items():
             records += bench_pair(name, target, draft, args, log)
     rows = summarize(records, args.k)
     text = (f"vLLM side by side, {'shared cores' if args.shared_cores else 'two-device harness'} "
-            f"(target cores {cores['target']}, draft cores {cores['draft']}); greedy, k<={args.k}, "
+            f"(target cores {cores['target']}, draft cores {cores['draft']}, Ray's head on the {args.head}'s); greedy, k<={args.k}, "
             f"{args.load} load: " + (f"B requests in flight over max({args.num_prompts}, 3 B) prompts" if args.load == "sustained"
                                      else f"waves of B over max(B, {args.num_prompts}) prompts")
             + f" x {args.max_tokens} tokens, medians of {args.repeats}; vLLM's own systems "

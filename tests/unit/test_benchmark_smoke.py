@@ -6,6 +6,7 @@ Checks what the run writes (tables, JSON fields, plots, the skip lines), never t
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -105,3 +106,29 @@ def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsy
         with pytest.raises(SystemExit):
             bench_vllm(["--from-json", str(bad), "--out", str(tmp_path / "bad")])
         assert f"--from-json {bad}: not a results.json this benchmark wrote" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the two-device harness needs two cores")
+@pytest.mark.parametrize("head", ["target", "draft"])
+def test_the_harness_puts_rays_head_on_the_chosen_box(head):
+    """``local_cluster(head=...)``: the head node (Ray's control plane, Serve's controller, the router under
+    direct ingress) carries the chosen box's role label and runs on that box's cores; the other box too."""
+    import ray
+
+    from benchmarks.bench_cluster import local_cluster
+    from specserve.serve.ingress import HEAD
+
+    @ray.remote(num_cpus=0)
+    def cores() -> list[int]:
+        return sorted(os.sched_getaffinity(0))
+
+    with local_cluster(two_device=True, head=head) as cluster:
+        heads = [n for n in ray.nodes() if n["Alive"] and HEAD in n["Resources"]]
+        assert [n["Labels"]["specserve.io/role"] for n in heads] == [head]
+        expected = {"target": sorted(cluster.target_cpus), "draft": sorted(cluster.draft_cpus)}
+        assert ray.get(cores.options(resources={HEAD: 0.001}).remote()) == expected[head]
+        other = "draft" if head == "target" else "target"
+        assert ray.get(cores.options(label_selector={"specserve.io/role": other}).remote()) == expected[other]
+    with pytest.raises(ValueError, match="head must be"):
+        with local_cluster(two_device=True, head="client"):
+            pass
