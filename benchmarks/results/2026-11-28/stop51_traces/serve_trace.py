@@ -12,7 +12,7 @@ if __name__ == "__main__":
     target, draft = resolve_model("demo:target"), resolve_model("demo:draft")
     os.environ.update(direct_ingress_env(8141))
     res = []
-    with local_cluster() as cluster:
+    with local_cluster(head=os.environ.get("HEAD", "target")) as cluster:  # HEAD=draft: Ray's head on the draft's box (stop 52)
         cores = (set(cluster.target_cpus), set(cluster.draft_cpus))
         start_serve("127.0.0.1", 8141, logging_config={"log_level": "WARNING"})
         server = SpecserveServer(target, draft, 4, 8141, vllm_target=True)
