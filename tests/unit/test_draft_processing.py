@@ -112,3 +112,17 @@ def test_the_draft_processes_as_the_target_does():
     expected = target.apply(logits, prompt + output, [])
     assert torch.equal(seq.processor(16).apply(logits, prompt + output, []), expected)
     assert SeqProcessor(SamplingParams(temperature=0.0, max_tokens=4), prompt, 16, {2}, []).for_draft() is None
+
+
+def test_the_processing_follows_the_logits_device():
+    """Logits on another device than the CPU (a GPU target or draft) are processed there: the processor's
+    ids, biases and masks move with them. The meta device stands in for a GPU (it checks devices, not values);
+    before this, a CUDA target failed every request with a bias or penalties at its prefill."""
+    import torch
+
+    params = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
+                            logit_bias={3: 2.0}, allowed_token_ids=[1, 3, 5], min_tokens=3)
+    cpu = SeqProcessor(params, [1, 2, 3], 16, {0}, [[4, 5]]).apply(torch.zeros(3, 16), [1, 2, 3, 5], [3, 5])
+    assert cpu[0, 3] > 0 and torch.isinf(cpu[0, 2])  # (the bias and the allowed-token mask applied on the CPU)
+    out = SeqProcessor(params, [1, 2, 3], 16, {0}, [[4, 5]]).apply(torch.zeros(3, 16, device="meta"), [1, 2, 3, 5], [3, 5])
+    assert out.device.type == "meta" and out.shape == (3, 16)
