@@ -1,5 +1,5 @@
-"""Idle CPU of the specserve app (hf target, demo pair, two-device harness, head on the target's box), with
-Serve's periodic work at its defaults or slowed: python idle_knobs.py default|slow"""
+"""Idle CPU of the specserve app (hf target, demo pair, two-device harness), per process, with Serve's periodic
+work at its defaults or slowed: python idle_knobs.py default|slow [target|draft (Ray's head; default target)]"""
 import os, sys, time
 sys.path.insert(0, "/work/main")
 KNOBS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
@@ -14,7 +14,7 @@ if __name__ == "__main__":
     from specserve.serve.ingress import direct_ingress_env, start_serve
     from specserve.config import resolve_model
     os.environ.update(direct_ingress_env(8141))
-    with local_cluster(two_device=True, head="target") as cluster:
+    with local_cluster(two_device=True, head=sys.argv[2] if len(sys.argv) > 2 else "target") as cluster:
         start_serve("127.0.0.1", 8141, logging_config={"log_level": "WARNING"})
         server = SpecserveServer(resolve_model("demo:target"), resolve_model("demo:draft"), 4, 8141, vllm_target=False)
         time.sleep(10)
