@@ -64,7 +64,7 @@ def local_cluster(num_cpus_per_node: float = 8, two_device: bool | None = None, 
 
     ``two_device`` (default: when this process has >= 2 cores): pin each node to its own half of
     the cores and keep this driver on the target's half until the cluster is down. The cluster
-    object gets ``target_cpus`` / ``draft_cpus`` (None when not pinned) and ``head``.
+    object gets ``target_cpus`` / ``draft_cpus`` (None when not pinned).
 
     ``head``: which box is Ray's head node, ``target`` (the default, as the cluster YAMLs) or
     ``draft``. The head holds Ray's control plane (GCS, dashboard), Serve's controller and proxy,
@@ -75,6 +75,8 @@ def local_cluster(num_cpus_per_node: float = 8, two_device: bool | None = None, 
 
     from specserve.distributed.placement import sigint_shielded
 
+    if head not in ("target", "draft"):
+        raise ValueError(f"head must be 'target' or 'draft', got {head!r}")
     cores = split_cores() if two_device in (None, True) else None
     if two_device and cores is None:
         raise ValueError("two_device needs at least 2 CPU cores in this process's affinity set")
@@ -84,15 +86,13 @@ def local_cluster(num_cpus_per_node: float = 8, two_device: bool | None = None, 
     try:
         # A terminal's Ctrl-C must reach only this driver (which then stops Ray in order), not the raylets.
         with sigint_shielded():
-            if head not in ("target", "draft"):
-                raise ValueError(f"head must be 'target' or 'draft', got {head!r}")
             first, second = ("target", "draft") if head == "target" else ("draft", "target")
             cpus = {"target": target_cpus, "draft": draft_cpus}
             with pinned(cpus[first]):
                 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus_per_node, "labels": {ROLE: first}})
             with pinned(cpus[second]):
                 cluster.add_node(num_cpus=num_cpus_per_node, labels={ROLE: second})
-        cluster.target_cpus, cluster.draft_cpus, cluster.head = target_cpus, draft_cpus, head
+        cluster.target_cpus, cluster.draft_cpus = target_cpus, draft_cpus
         if target_cpus is not None:
             os.sched_setaffinity(0, target_cpus)  # the driver lives on the target's box
         ray.init(address=cluster.address, log_to_driver=False, runtime_env={"env_vars": THREAD_ENV})

@@ -143,7 +143,7 @@ class SeqProcessor:
             if len(output) < p.min_tokens and self.stop_ids.numel():
                 row[self.stop_ids] = float("-inf")
             if self.bias_ids.numel():
-                row[self.bias_ids] += self.bias.to(x.dtype)
+                row[self.bias_ids] += self.bias
             if counts is not None:
                 if p.repetition_penalty != 1.0:
                     seen = self.in_prompt | (counts > 0)
