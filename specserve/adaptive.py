@@ -19,7 +19,7 @@ first (target-only first once the bucket has just left it for speculation, and w
 choices run a fixed set of arms (``warmup_arms``) so each has a rate (the best speculative one then
 runs as a probe from target-only, measured afresh, before the bucket adopts it), unless a settled
 bucket beside it implies the answer (``_inherited``: a draining batch keeps speculating), and
-target-only is not probed while the current arm delivers over ``PROBE_BEATEN`` times its rate. A
+target-only is not probed while the current arm delivers over ``PROBE_BEATEN`` times its recent rate. A
 bucket leaves target-only for speculation only on a win beyond the noise of the two rates
 (``_beyond_noise``); a closer one is measured on more cycles first. Measured cycle times carry
 every cost (the verify's growth with width, waits on misses, the link, the engine's scheduling
@@ -63,6 +63,7 @@ PROBE_LOST = 0.7  # a probe under this fraction of the current arm's rate has lo
 PROBE_LOST_CYCLES = 2  # ... at this many measured cycles, and probes back off further (``PROBE_GAP_LOST``)
 PROBE_GAP = 16  # probes back off to at most this many times ``probe_every`` choices apart ...
 PROBE_GAP_LOST = 64  # ... or this many once the last probe lost outright (the gap then grows 4 x a probe, not 2 x)
+STALE_RATING = PROBE_GAP_LOST  # target-only's rating, unmeasured for this many x ``probe_every`` choices, bars no probe of it
 CHALLENGE_LEAD = 4  # choices from finding a challenger to probing it (a k = 0 step hands the drafts their deltas then)
 RECENT_BATCHES = 8  # a cycle whose batch is smaller than one of the bucket's last this many is draining (not measured)
 SETTLE_CYCLES = 3  # a run of one arm is measured from its this-many-th cycle (the first pay for the switch) ...
@@ -539,7 +540,9 @@ class SpeculationController:
         current one. Target-only is left out while the current arm's measured rate is over
         ``PROBE_BEATEN`` times its last measured one: a probe of it costs the most then (the longest
         probe, at a fraction of the rate) and cannot win; the current arm is measured all
-        the time, so a fall in acceptance brings the probes back."""
+        the time, so a fall in acceptance brings the probes back. That rating must be recent: one
+        older than ``STALE_RATING`` x ``probe_every`` choices (the longest gap probes back off to) is
+        measured again at the next probe."""
         k, mode = state.current or (self.max_k, cache)
         if k == 0:
             rates = {a: r for a in state.realized if a[0] and (cache or not a[1])
@@ -549,7 +552,11 @@ class SpeculationController:
         if cache:
             candidates.append((k, not mode))
         plain, current = self.realized_rate(state.bucket, TARGET_ONLY), self.realized_rate(state.bucket, (k, mode))
-        if plain is None or current is None or current <= PROBE_BEATEN * plain or not candidates:
+        # A stale rating bars nothing: in the two-device harness target-only's rating at batch 1 came from the
+        # bucket's warm-up, at a third to a half of what vLLM target-only delivered beside it (65-100 against
+        # 176 tokens/s), and stood for whole runs, speculation always over twice it.
+        stale = state.choices - state.last_measured.get(TARGET_ONLY, -1) > STALE_RATING * self.probe_every
+        if plain is None or current is None or current <= PROBE_BEATEN * plain or not candidates or stale:
             candidates.insert(0, TARGET_ONLY)
         # Beyond the neighbours: a speculative arm rated above the current one (by the hysteresis) that
         # no neighbour's probe would reach. On the demo pair at batch 1 the bucket adopted k = 4 on its

@@ -8,8 +8,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from specserve.adaptive import (PROBE_CUT_CYCLES, PROBE_GAP, PROBE_LOST_CYCLES, SETTLE_CYCLES, SETTLE_TO_CYCLES, TARGET_ONLY,
-                                SpeculationController)
+from specserve.adaptive import (PROBE_CUT_CYCLES, PROBE_GAP, PROBE_LOST_CYCLES, SETTLE_CYCLES, SETTLE_TO_CYCLES, STALE_RATING,
+                                TARGET_ONLY, SpeculationController)
 
 
 class Pair:
@@ -285,11 +285,17 @@ def test_a_new_bucket_starts_from_what_a_settled_neighbour_implies():
 
 def test_target_only_is_not_probed_while_speculation_far_outruns_it():
     """At three times target-only's rate a probe of it (the longest probe, at a third of the rate) cannot
-    win: it is skipped, the other neighbours are still probed. When acceptance falls the current arm's
-    own measurements show it, target-only is probed again and takes over."""
+    win: it is skipped while its rating is recent, the other neighbours are still probed; once the rating
+    is ``STALE_RATING`` probe intervals old it is measured again (once), and loses again. When acceptance
+    falls the current arm's own measurements show it, target-only is probed again and takes over."""
     ctrl = SpeculationController(max_k=4, probe_every=16)
     arms = run(ctrl, 8, Pair(0.85, spark), 1500)
-    assert TARGET_ONLY not in arms[100:]
+    stale = STALE_RATING * ctrl.probe_every
+    last_warm_up = max(i for i, a in enumerate(arms[:100]) if a == TARGET_ONLY)
+    assert TARGET_ONLY not in arms[100:last_warm_up + stale]
+    again = [i for i, a in enumerate(arms) if a == TARGET_ONLY and i >= last_warm_up + stale]
+    assert again and again[-1] - again[0] < 3 * ctrl.probe_len + SETTLE_TO_CYCLES  # one probe, measured afresh
+    assert settled(arms) != TARGET_ONLY
     assert len({a for a in arms[100:]}) > 1  # neighbours still probed
     worse = run(ctrl, 8, Pair(0.02, lambda a: 0.06 * (1 + 0.3 * bool(a[0]))), 1500, seed=1)
     assert settled(worse) == TARGET_ONLY
@@ -414,6 +420,28 @@ def test_cycles_of_a_draining_batch_are_not_measured():
     for _ in range(RECENT_BATCHES + 4):
         ctrl.observe_cycle(5, 5, 0.008, TARGET_ONLY)
     assert ctrl.realized_rate(8, TARGET_ONLY) > full
+
+
+def test_a_stale_rating_of_target_only_does_not_keep_it_from_being_probed():
+    """Target-only rated once at a fraction of its speed (at batch 1 in the two-device harness the bucket's
+    warm-up rated it at 65-100 tokens/s against 176 for vLLM target-only beside it), a speculative arm
+    measured at over twice that rating: while the rating is recent it bars probes of target-only; once it is
+    ``STALE_RATING`` probe intervals old target-only is probed, measured at its real speed, and takes over."""
+    from specserve.adaptive import _BucketState
+
+    seconds = lambda arm: 0.020 if arm[0] else 0.008  # noqa: E731  (target-only: 125 tokens/s; k = 2 cache-only: ~75)
+    ctrl = SpeculationController(max_k=2, probe_every=8)
+    state = ctrl.buckets[1] = _BucketState(1, gap=8)
+    state.current, state.choices = (2, True), 1
+    state.last_measured[TARGET_ONLY] = 1
+    for arm, s in ((TARGET_ONLY, 0.040), ((2, True), 0.020)):  # the stale rating: 25 tokens/s
+        for _ in range(20):
+            ctrl.observe_cycle(1, 2 if arm[0] else 1, s, arm)
+    stale = STALE_RATING * ctrl.probe_every
+    arms = run(ctrl, 1, Pair(0.5, seconds, coverage=1.0), stale + 200)
+    assert TARGET_ONLY not in arms[:stale - 10]
+    assert TARGET_ONLY in arms[stale - 10:]
+    assert settled(arms, 50) == TARGET_ONLY
 
 
 def test_target_only_rated_above_the_speculative_arm_is_probed_before_the_backed_off_gap():
