@@ -6,7 +6,8 @@ if __name__ == "__main__":
     from benchmarks.scenarios import heldout_prompts
     from specserve.config import resolve_model
     batch, runs, variants = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    target, draft = resolve_model("demo:target"), resolve_model("demo:draft")
+    pair = os.environ.get("PAIR")  # a directory with target/ and draft/ (examples/make_realistic_pair.py), else the demo pair
+    target, draft = (f"{pair}/target", f"{pair}/draft") if pair else (resolve_model("demo:target"), resolve_model("demo:draft"))
     options = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
     prompts, _ = heldout_prompts(target, max(8, 3 * batch), 64)
     with local_cluster(two_device=True, head="target"):
