@@ -541,8 +541,8 @@ class SpeculationController:
         ``PROBE_BEATEN`` times its last measured one: a probe of it costs the most then (the longest
         probe, at a fraction of the rate) and cannot win; the current arm is measured all
         the time, so a fall in acceptance brings the probes back. That rating must be recent: one
-        older than ``STALE_RATING`` x ``probe_every`` choices (the longest gap probes back off to) is
-        measured again at the next probe."""
+        older than ``STALE_RATING`` x ``probe_every`` choices (the longest gap probes back off to)
+        leaves target-only among the candidates (the one measured least recently is probed first)."""
         k, mode = state.current or (self.max_k, cache)
         if k == 0:
             rates = {a: r for a in state.realized if a[0] and (cache or not a[1])
@@ -552,9 +552,9 @@ class SpeculationController:
         if cache:
             candidates.append((k, not mode))
         plain, current = self.realized_rate(state.bucket, TARGET_ONLY), self.realized_rate(state.bucket, (k, mode))
-        # A stale rating bars nothing: in the two-device harness target-only's rating at batch 1 came from the
-        # bucket's warm-up, at a third to a half of what vLLM target-only delivered beside it (65-100 against
-        # 176 tokens/s), and stood for whole runs, speculation always over twice it.
+        # A stale rating bars nothing: in the two-device harness at batch 1 target-only's rating stood at 65-130
+        # tokens/s a sequence, against 150-200 for vLLM target-only beside it, for whole runs (speculation
+        # always over twice it, so nothing measured it again).
         stale = state.choices - state.last_measured.get(TARGET_ONLY, -1) > STALE_RATING * self.probe_every
         if plain is None or current is None or current <= PROBE_BEATEN * plain or not candidates or stale:
             candidates.insert(0, TARGET_ONLY)

@@ -423,8 +423,8 @@ def test_cycles_of_a_draining_batch_are_not_measured():
 
 
 def test_a_stale_rating_of_target_only_does_not_keep_it_from_being_probed():
-    """Target-only rated once at a fraction of its speed (at batch 1 in the two-device harness the bucket's
-    warm-up rated it at 65-100 tokens/s against 176 for vLLM target-only beside it), a speculative arm
+    """Target-only rated once at a fraction of its speed (at batch 1 in the two-device harness its rating stood
+    at 65-130 tokens/s for whole runs, against 150-200 for vLLM target-only beside it), a speculative arm
     measured at over twice that rating: while the rating is recent it bars probes of target-only; once it is
     ``STALE_RATING`` probe intervals old target-only is probed, measured at its real speed, and takes over."""
     from specserve.adaptive import _BucketState
