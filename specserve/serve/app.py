@@ -20,6 +20,13 @@ from .router import Router
 
 logger = logging.getLogger("specserve.serve")
 
+# How long a stopping replica first waits for requests still on their way to it, then between checks
+# that none is running (Serve's default is 2 s). Every replica sleeps it at least once, and Serve
+# stops the four deployments one after another: `serve run` took 12 s to stop on Ctrl-C here.
+# A request in flight reaches its replica in milliseconds; one still running is waited for up to
+# ``graceful_shutdown_timeout_s`` either way.
+SHUTDOWN_WAIT_S = 0.5
+
 
 def _side_options(side, role: str, cfg: SpecserveConfig) -> dict:
     """Serve deployment options of one side: replicas/autoscaling and placement by label/resources."""
@@ -38,7 +45,7 @@ def _side_options(side, role: str, cfg: SpecserveConfig) -> dict:
     if cfg.cluster.runtime_env:
         actor["runtime_env"] = dict(cfg.cluster.runtime_env)
     opts = {"name": role.capitalize(), "ray_actor_options": actor, "health_check_period_s": 2, "health_check_timeout_s": 10,
-            "graceful_shutdown_timeout_s": 5, "max_constructor_retry_count": 2,  # a model that fails to load fails again
+            "graceful_shutdown_timeout_s": 5, "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_S, "max_constructor_retry_count": 2,  # a model that fails to load fails again
             "logging_config": {"enable_access_log": False, "log_level": "WARNING"}}  # requests are logged once, at the router
     if side.autoscaling:
         opts["autoscaling_config"] = dict(side.autoscaling)
@@ -78,7 +85,8 @@ def build_app(args: dict) -> serve.Application:
     dump = cfg.model_dump(exclude={"target": scale, "draft": scale, "server": {"router_num_replicas"}})
     # The Registry is control plane: on the head node, beside Serve's controller (not on a model's box by chance).
     registry = serve.deployment(Registry, name="Registry", ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}}, num_replicas=1,
-                                max_ongoing_requests=1000, logging_config={"enable_access_log": False}).bind()
+                                max_ongoing_requests=1000, graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_S,
+                                logging_config={"enable_access_log": False}).bind()
     if not ray.is_initialized():
         ray.init(address="auto")
     if sum(1 for n in ray.nodes() if n.get("Alive")) == 1:
@@ -95,5 +103,6 @@ def build_app(args: dict) -> serve.Application:
     target = serve.deployment(TargetWorker, **target_opts).bind(dump, None, registry, draft)
     router = serve.deployment(Router, name="Router", num_replicas=cfg.server.router_num_replicas,
                               ray_actor_options={"num_cpus": cfg.server.router_num_cpus, **router_placement()},
-                              max_ongoing_requests=max(1000, 2 * cfg.server.max_pending_requests))
+                              max_ongoing_requests=max(1000, 2 * cfg.server.max_pending_requests),
+                              graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_S)
     return router.bind(dump, target, registry)

@@ -46,17 +46,20 @@ def config(tiny_pair, drafts: int) -> dict:
             "cluster": {"use_role_labels": True}}
 
 
-def serve_deploy(tmp_path, port: int, args: dict, overrides: list | None = None) -> None:
-    """`serve deploy` a Serve YAML, the declarative way operators update a running app."""
+def dashboard_url() -> str:
     import ray
 
+    return "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
+
+
+def serve_deploy(tmp_path, port: int, args: dict, overrides: list | None = None) -> None:
+    """`serve deploy` a Serve YAML, the declarative way operators update a running app."""
     app = {"name": "mn", "route_prefix": "/", "import_path": "specserve.serve:build_app", "args": args}
     if overrides:
         app["deployments"] = overrides
     path = tmp_path / f"mn-{len(overrides or [])}.yaml"
     path.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [app]}))
-    dashboard = "http://" + ray._private.worker.global_worker.node.address_info["webui_url"]
-    proc = subprocess.run([str(Path(sys.executable).parent / "serve"), "deploy", str(path), "--address", dashboard],
+    proc = subprocess.run([str(Path(sys.executable).parent / "serve"), "deploy", str(path), "--address", dashboard_url()],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -172,6 +175,20 @@ def test_serve_deploy_scales_the_drafts_without_restarting_targets(app, tiny_pai
     assert [r[:2] for r in results] == [(200, e) for e in expected * 2]
     wait_for_snapshot(lambda snap: len(snap["draft"]) == 2 and all(
         sum(t["num_requests"] for t in d["by_target"].values()) > 0 for d in snap["draft"].values()), "both drafts answered")
+
+
+def test_every_deployment_stops_without_serves_two_second_wait(app):
+    """The app as Serve's REST API reports it (what `serve deploy` talks to): all four deployments
+    wait ``SHUTDOWN_WAIT_S`` for requests on their way before stopping, not Serve's 2 s each, one
+    deployment after another."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    from specserve.serve.app import SHUTDOWN_WAIT_S
+
+    deployments = ServeSubmissionClient(dashboard_url()).get_serve_details()["applications"]["mn"]["deployments"]
+    assert set(deployments) == {"Registry", "Draft", "Target", "Router"}
+    waits = {name: d["deployment_config"]["graceful_shutdown_wait_loop_s"] for name, d in deployments.items()}
+    assert waits == dict.fromkeys(deployments, SHUTDOWN_WAIT_S) and SHUTDOWN_WAIT_S < 2
 
 
 def test_a_draft_dies_and_no_request_fails(app, expected):
