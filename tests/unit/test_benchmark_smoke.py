@@ -108,6 +108,22 @@ def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsy
         assert f"--from-json {bad}: not a results.json this benchmark wrote" in capsys.readouterr().err
 
 
+def test_vllm_bench_counts_the_own_engines_prefills_as_forwards_not_overhead(tiny_pair):
+    """bench_vllm's own-engine rows split a step as the vLLM target's: its overhead is what is neither a
+    target forward (verify or prefill) nor the wait for the draft, and the parts add up to the wall time."""
+    from benchmarks.bench_vllm import own_engine_timing
+    from specserve import LLM, SamplingParams
+
+    with LLM(tiny_pair["target"], draft=tiny_pair["perturbed"], num_speculative_tokens=2, adaptive=False) as llm:
+        llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        tm = llm.metrics()["timing"]
+    assert tm["prefill_s"] > 0 and tm["target_forward_s"] > 0  # the prompts' forwards are counted apart from the verifies'
+    own_engine_timing(tm)
+    assert tm["verify_s"] == tm["target_forward_s"]
+    assert tm["specserve_s"] == pytest.approx(tm["wall_s"] - tm["verify_s"] - tm["prefill_s"] - tm["draft_wait_s"])
+    assert 0 <= tm["specserve_s"] < tm["wall_s"] - tm["prefill_s"]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the two-device harness needs two cores")
 @pytest.mark.parametrize("head", ["target", "draft"])
 def test_the_harness_puts_rays_head_on_the_chosen_box(head):
