@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, help="vLLM without torch.compile [quick: yes, full: no]")
     p.add_argument("--vllm-max-model-len", type=int, default=512, help="vLLM max_model_len [512, the demo pair's context]")
     p.add_argument("--out", default="bench_out", help="folder for tables.md, results.json, the plots [bench_out]")
-    p.add_argument("--from-json", help="measure nothing: redraw tables and plots from a results.json into --out")
+    p.add_argument("--from-json", help="measure nothing: redraw tables and plots from a results.json (or .json.gz) into --out")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -160,9 +160,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     out = Path(args.out)
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
         from benchmarks.plots import write_plots
-        from benchmarks.report import write_report
+        from benchmarks.report import read_results, write_report
+
+        results = read_results(args.from_json)
 
         text = write_report(results, out)
         write_plots(results, out)

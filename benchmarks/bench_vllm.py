@@ -406,7 +406,9 @@ def _report(out: Path, text: str, rows: list[dict]) -> None:
 
 
 def _from_json(path: Path, out: Path) -> dict:
-    data = json.loads(path.read_text())
+    from .report import read_results
+
+    data = read_results(path)
     rows = summarize(data["records"], data["args"]["k"])
     _report(out, f"vLLM side by side, summarized again from {path} (its run's settings: {data['args']})\n\n" + table(rows), rows)
     return {"summary": rows, "records": data["records"]}
@@ -438,7 +440,7 @@ def main(argv=None) -> dict:
     p.add_argument("--systems", default=None, help="only these systems, comma-separated names as the table shows them")
     p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json, the plot [bench_out/vllm]")
     p.add_argument("--from-json", metavar="RESULTS", help="measure nothing: the tables and plot again from an earlier run's "
-                   "results.json (its records), into --out")
+                   "results.json (its records; gzipped too, as benchmarks/results keeps them), into --out")
     args = p.parse_args(argv)
     if args.from_json:
         try:

@@ -15,12 +15,20 @@ Knows nothing of specserve; plain dicts in, text and files out.
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 STEP_KEYS = ("step_ms", "target_forward_ms", "draft_forward_ms", "link_ms", "overhead_ms")
+
+
+def read_results(path: str | Path) -> dict:
+    """A results file a benchmark wrote, as written (``results.json``) or gzipped (the runs kept in
+    ``benchmarks/results``, ``*.json.gz``): told by the file's first bytes, not its name."""
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
 
 
 def _median(rs: list[dict], key: str):

@@ -5,6 +5,7 @@ Checks what the run writes (tables, JSON fields, plots, the skip lines), never t
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -102,6 +103,10 @@ def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsy
     tables = (tmp_path / "again" / "tables.md").read_text()
     assert "| 0.50x (0.50-2.00), 1/3 |" in tables and tables.splitlines()[0] in capsys.readouterr().out
     assert (tmp_path / "again" / "speedup_vs_batch.png").read_bytes()[:8] == PNG
+    kept = tmp_path / "kept.json.gz"  # as benchmarks/results keeps its runs: the same tables
+    kept.write_bytes(gzip.compress(results.read_bytes()))
+    bench_vllm(["--from-json", str(kept), "--out", str(tmp_path / "from_gz")])
+    assert (tmp_path / "from_gz" / "tables.md").read_text().splitlines()[1:] == tables.splitlines()[1:]
     for bad in (tmp_path / "missing.json", tmp_path / "again" / "tables.md"):
         with pytest.raises(SystemExit):
             bench_vllm(["--from-json", str(bad), "--out", str(tmp_path / "bad")])
