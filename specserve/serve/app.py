@@ -45,7 +45,8 @@ def _side_options(side, role: str, cfg: SpecserveConfig) -> dict:
     if cfg.cluster.runtime_env:
         actor["runtime_env"] = dict(cfg.cluster.runtime_env)
     opts = {"name": role.capitalize(), "ray_actor_options": actor, "health_check_period_s": 2, "health_check_timeout_s": 10,
-            "graceful_shutdown_timeout_s": 5, "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_S, "max_constructor_retry_count": 2,  # a model that fails to load fails again
+            "graceful_shutdown_timeout_s": 5, "graceful_shutdown_wait_loop_s": SHUTDOWN_WAIT_S,
+            "max_constructor_retry_count": 2,  # a model that fails to load fails again
             "logging_config": {"enable_access_log": False, "log_level": "WARNING"}}  # requests are logged once, at the router
     if side.autoscaling:
         opts["autoscaling_config"] = dict(side.autoscaling)
