@@ -22,7 +22,7 @@ logger = logging.getLogger("specserve.serve")
 
 # How long a stopping replica first waits for requests still on their way to it, then between checks
 # that none is running (Serve's default is 2 s). Every replica sleeps it at least once, and Serve
-# stops the four deployments one after another: `serve run` took 12 s to stop on Ctrl-C here.
+# stops the four deployments one after another: `serve run` took 12-14 s to stop on Ctrl-C here.
 # A request in flight reaches its replica in milliseconds; one still running is waited for up to
 # ``graceful_shutdown_timeout_s`` either way.
 SHUTDOWN_WAIT_S = 0.5
