@@ -34,6 +34,9 @@ logger = logging.getLogger("specserve")
 # fails at once, then the Serve handle call); otherwise the 503 comes when it leaves.
 ANNOUNCE_EVERY_S = 0.5  # how often each replica tells the registry it is alive (and its metrics)
 REGISTRY_TTL_S = 2.0  # a replica not heard from for this long is no longer listed
+# How long a stopping target lets its direct streams finish: within Serve's graceful_shutdown_timeout_s (5 s,
+# serve/app.py), which also covers the 0.5 s drain before it; past that Serve kills the replica anyway.
+DRAIN_S = 4.0
 
 
 def configure_worker_logging() -> None:
@@ -378,11 +381,18 @@ class TargetWorker:
         return self.loop.core.controller.predict(batch_size)
 
     def __del__(self):
+        """Serve's graceful stop (scale-down, rolling update, app deleted) ends here, after its drain, which
+        sees only requests that came through the Serve handle. Routers stream from a target they pick in
+        the Registry: withdraw from it, refuse new streams (the router then takes the handle, which Serve
+        no longer routes here), and let the open ones finish, up to ``DRAIN_S``, before stopping."""
         announcer = getattr(self, "_announcer", None)
         if announcer is not None:
             announcer.stop()
         streams = getattr(self, "streams", None)
         if streams is not None:
+            if not streams.drain(DRAIN_S):
+                logger.warning("target %s stopping with %d direct streams still open after %.0f s", getattr(self, "name", "?"),
+                               streams.streaming, DRAIN_S)
             streams.close()
         loop = getattr(self, "loop", None)
         if loop is not None:

@@ -85,6 +85,7 @@ class StreamServer:
         self.spares = 0  # proven connections waiting for their request
         self.num_streams = 0  # requests streamed (started) over this port
         self.num_refused = 0  # connections turned away: wrong secret, or too many streams open
+        self.draining = False  # the replica is stopping: new requests are refused as busy (the router then uses the handle)
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -141,9 +142,10 @@ class StreamServer:
             if not isinstance(hello, dict):
                 writer.write(_pack({"error": "the request must be a map", "kind": "invalid"}))
                 return
-            if self.streaming >= self.max_streams:
+            if self.draining or self.streaming >= self.max_streams:
                 self.num_refused += 1
-                writer.write(_pack({"error": f"{self.streaming} streams open", "kind": "busy"}))
+                why = "the target is stopping" if self.draining else f"{self.streaming} streams open"
+                writer.write(_pack({"error": why, "kind": "busy"}))
                 return
             self.streaming += 1
             self.num_streams += 1
@@ -196,6 +198,15 @@ class StreamServer:
     def stats(self) -> dict:
         return {"address": self.address, "streaming": self.streaming, "spares": self.spares, "num_streams": self.num_streams,
                 "num_refused": self.num_refused}
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (as busy: the router serves them through the Serve handle, which a stopping
+        replica no longer gets) and wait up to ``timeout_s`` for the open streams to finish; True when they did."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.streaming and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self.streaming
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop listening, abort every open stream (its request too) and stop the thread."""

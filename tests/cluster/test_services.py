@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -189,6 +190,38 @@ def test_every_deployment_stops_without_serves_two_second_wait(app):
     assert set(deployments) == {"Registry", "Draft", "Target", "Router"}
     waits = {name: d["deployment_config"]["graceful_shutdown_wait_loop_s"] for name, d in deployments.items()}
     assert waits == dict.fromkeys(deployments, SHUTDOWN_WAIT_S) and SHUTDOWN_WAIT_S < 2
+
+
+def test_scaling_the_targets_down_under_load_fails_no_request(app, tiny_pair, expected, tmp_path):
+    """A rolling update that stops one of the two targets while requests keep arriving: the stopping
+    replica finishes what it holds (Serve's graceful stop, after ``SHUTDOWN_WAIT_S``), new requests go
+    to the other, and every answer is exact. The targets are scaled back to two afterwards."""
+    port = int(app.rsplit(":", 1)[1])
+    stopped = threading.Event()
+
+    async def load():
+        results = []
+        async with httpx.AsyncClient(timeout=120) as c:
+            while not stopped.is_set():
+                results += await asyncio.gather(*[_one(c, app, p, stream=i % 2 == 1) for i, p in enumerate(PROMPTS[:4])])
+        return results
+
+    def scale_down():
+        try:
+            serve_deploy(tmp_path, port, config(tiny_pair, drafts=1),
+                         overrides=[{"name": "Draft", "num_replicas": 2}, {"name": "Target", "num_replicas": 1}])
+            wait_until(lambda: len(serve_actors("mn", "Target")) == 1, 120, 0.2, "one target replica left")
+            time.sleep(1.0)  # requests keep arriving after the replica is gone, too
+        finally:
+            stopped.set()
+
+    worker = threading.Thread(target=scale_down)
+    worker.start()
+    results = asyncio.run(load())
+    worker.join()
+    assert len(results) >= 8 and [r[:2] for r in results] == [(200, e) for e in expected[:4]] * (len(results) // 4)
+    serve_deploy(tmp_path, port, config(tiny_pair, drafts=1), overrides=[{"name": "Draft", "num_replicas": 2}])
+    wait_for(app, targets=2, drafts=2)
 
 
 def test_a_draft_dies_and_no_request_fails(app, expected):
