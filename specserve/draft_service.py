@@ -175,7 +175,8 @@ class DraftService:
             entry["draft_ahead"], entry["draft_ahead_reason"] = self.ahead_by_conn.get(conn, (False, ""))
         return {**self.counters, "draft_id": self.draft_id, "num_seqs": self.num_seqs, "by_target": by_target,
                 "num_live_connections": len(self.sides), "draft_step_s": self.drafter.step_time_s,
-                "compiled": bool(getattr(getattr(self.drafter, "backend", None), "compiled", False))}
+                "compiled": bool(getattr(getattr(self.drafter, "backend", None), "compiled", False)),
+                **getattr(self.drafter, "tree_counts", {})}
 
 
 def _widths(target: dict | None, draft: dict | None) -> tuple[int | None, str | None]:

@@ -53,6 +53,7 @@ class HeadDrafter(ModelDrafter):
     """
 
     ENTRY_SHIFT = 1
+    FOLD = False  # a head's glue feeds the target's rows, which its branches' first depth does not read: kept apart
 
     def __init__(self, backend: HeadBackend, spec, hidden_layers: tuple[int, ...], target_model: str, send_probs: bool = True,
                  fanout: int = 0, max_branches: int | None = None, preempt: bool = True):

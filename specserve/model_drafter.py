@@ -46,6 +46,7 @@ class ModelDrafter:
 
     SAFETY = 0.85  # share of the target's budget a tree may use (the rest absorbs noise)
     ENTRY_SHIFT = 0  # a branch root after c committed tokens sees c - ENTRY_SHIFT KV entries (a head's entry t reads token t + 1)
+    FOLD = True  # the glue and the tree's first depth in one call where the backend has ``forward_glue_branches``
 
     def __init__(self, backend: ModelBackend, send_probs: bool = True, fanout: int = 0, max_branches: int | None = None,
                  preempt: bool = True):
@@ -63,6 +64,8 @@ class ModelDrafter:
         # sooner than the budget said), regrown while trees finish in time (``_fit_budget``).
         self.budget_scale = 1.0
         self.last_tree: tuple[int, int] = (0, 0)  # (branches per sequence, depth) of the last tree, for metrics
+        # Trees grown, those whose first depth shared the glue's call, and tree forwards after the glue's call.
+        self.tree_counts = {"num_trees": 0, "num_trees_folded": 0, "num_tree_forwards": 0}
         # Trees a verdict made stale, freed off the critical path by the next prepare: freed in propose,
         # their ~2,500 arrays a step took 0.8 ms of the draft's reply at batch 32 (simulated Spark + 5090).
         self._stale: list[dict] = []
@@ -303,7 +306,9 @@ class ModelDrafter:
         def left() -> float:  # the budget still unspent (0.0: no budget known, a tree as deep as asked)
             return max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0
 
-        if short:
+        if short and self._can_fold():
+            self._glue_and_grow([seqs[i] for i in short], [feeds[i] for i in short], should_stop, left())
+        elif short:
             self._glue([seqs[i] for i in short], [feeds[i] for i in short])
             self._grow_tree([seqs[i] for i in short], should_stop, left())
         if long and not should_stop():
@@ -323,8 +328,12 @@ class ModelDrafter:
     def _glue(self, seqs: list[DraftSeq], feeds: list[list[int]]) -> None:
         """Feed each sequence's unseen tokens; the last logits give the candidates after its block."""
         logits = self.backend.forward([s.key for s in seqs], feeds, [1] * len(seqs))
+        self._after_glue(seqs, feeds, logits[:, -1])
+
+    def _after_glue(self, seqs: list[DraftSeq], feeds: list[list[int]], logits: torch.Tensor) -> None:
+        """The glue's last logits ([batch, vocab]) give the candidates after each block."""
         bonus_positions = [s.block_base + len(s.block) for s in seqs]
-        _, _, cands = self._choose(seqs, logits[:, -1], bonus_positions, want_cands=True)
+        _, _, cands = self._choose(seqs, logits, bonus_positions, want_cands=True)
         for s, f, c in zip(seqs, feeds, cands):
             s.num_fed += len(f)
             s.block_cands = s.block_cands[: len(s.block)] + [c]
@@ -337,54 +346,148 @@ class ModelDrafter:
         if not live:
             return
         seqs, scored = [seqs[i] for i in live], [scored[i] for i in live]
-        room = self.backend.max_model_len
-        depth_max = min(max(max(s.num_asked, len(s.block)) for s in seqs),
-                        min(room - s.block_base - len(s.block) - 1 for s in seqs))
+        depth_max = self._depth_max(seqs)
         left = max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0
         width, depth = self._tree_size(scored, depth_max, left)
         roots = [[(j, tok) for _, j, tok in r[:width]] for r in scored]
         lanes = max(len(r) for r in roots)
         branches = [[Branch([], [], []) for _ in r] for r in roots]
         tokens = [[tok for _, tok in r] for r in roots]
-        starts = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]  # where each root's token sits
-        prefix_lens = [[p - self.ENTRY_SHIFT for p in ps] for ps in starts]
         hidden = self._root_rows(seqs, roots, lanes)  # a head's input rows per lane, else None
         self.last_tree = (lanes, 0)
-        for d in range(depth):
-            if should_stop():
-                break
-            start = time.perf_counter()
-            extra = {} if hidden is None else {"hidden": hidden}
-            logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, d, lanes, **extra)
+        self.tree_counts["num_trees"] += 1
+        self._extend(seqs, roots, branches, tokens, None, lanes, range(depth), should_stop, hidden)
+        for s, r, bs in zip(seqs, roots, branches):
+            s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+
+    def _depth_max(self, seqs: list[DraftSeq]) -> int:
+        """The deepest a branch may go: the longest block asked for, short of the draft's context."""
+        room = self.backend.max_model_len
+        return min(max(max(s.num_asked, len(s.block)) for s in seqs), min(room - s.block_base - len(s.block) - 1 for s in seqs))
+
+    def _extend(self, seqs: list[DraftSeq], roots: list[list[tuple[int, int]]], branches: list[list[Branch]],
+                tokens: list[list[int]], first: list[list[int]] | None, lanes: int, depths, should_stop: Callable[[], bool],
+                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+        """Run the tree's ``depths``: each call feeds every lane's last token (``tokens``) and appends the draft it
+        picks to the lane's branch. ``first``: the depth each lane started at (a lane rooted at a block's bonus
+        position starts one depth late when the glue ran in the tree's first call); None, all at 0. ``logits``:
+        the first depth's, already computed (``forward_glue_branches``)."""
+        starts = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]  # where each root's token sits
+        prefix_lens = [[p - self.ENTRY_SHIFT for p in ps] for ps in starts]
+        for d in depths:
+            start, ran = time.perf_counter(), logits is None
+            if ran:
+                if should_stop():
+                    break
+                extra = {} if hidden is None else {"hidden": hidden}
+                if first is not None:
+                    extra["starts"] = first
+                logits = self.backend.forward_branches([s.key for s in seqs], tokens, prefix_lens, d, lanes, **extra)
+                self.tree_counts["num_tree_forwards"] += 1
+                if hidden is not None:
+                    hidden = self.backend.last_hidden  # [batch, lanes, hidden]: the next depth reads each lane's own row
             self.last_tree = (lanes, d + 1)
-            if hidden is not None:
-                hidden = self.backend.last_hidden  # [batch, lanes, hidden]: the next depth reads each lane's own row
             flat_seqs, flat_rows, positions = [], [], []
             for i, s in enumerate(seqs):
                 for b in range(len(tokens[i])):
+                    if first is not None and first[i][b] > d:
+                        continue  # (not started yet)
                     flat_seqs.append(s)
                     flat_rows.append((i, b))
-                    positions.append(starts[i][b] + d + 1)
-            index = torch.tensor([i * lanes + b for i, b in flat_rows])
-            prefixes = None
-            if any(s.processing is not None for s in seqs):  # each branch's row follows its own verdict and drafts
-                prefixes = [seqs[i].token_ids + seqs[i].block[: roots[i][b][0]] + [roots[i][b][1]] + branches[i][b].token_ids
-                            if seqs[i].processing is not None else None for i, b in flat_rows]
-            picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True,
-                                                prefixes=prefixes)
-            for n, (i, b) in enumerate(flat_rows):
-                br = branches[i][b]
-                br.token_ids.append(picked[n])
-                if probs[n] is not None:
-                    br.probs.append(probs[n])
-                if cands is not None:
-                    br.cands.append(cands[n])
-                if hidden is not None:
-                    br.rows.append(hidden[i, b])
-                tokens[i][b] = picked[n]
-            self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)  # (choosing costs as much as the forward at batch 32)
+                    positions.append(starts[i][b] + d + 1 - (first[i][b] if first is not None else 0))
+            if flat_rows:
+                index = torch.tensor([i * lanes + b for i, b in flat_rows])
+                prefixes = None
+                if any(s.processing is not None for s in seqs):  # each branch's row follows its own verdict and drafts
+                    prefixes = [seqs[i].token_ids + seqs[i].block[: roots[i][b][0]] + [roots[i][b][1]] + branches[i][b].token_ids
+                                if seqs[i].processing is not None else None for i, b in flat_rows]
+                picked, probs, cands = self._choose(flat_seqs, logits.reshape(-1, logits.shape[-1])[index], positions, want_cands=True,
+                                                    prefixes=prefixes)
+                for n, (i, b) in enumerate(flat_rows):
+                    br = branches[i][b]
+                    br.token_ids.append(picked[n])
+                    if probs[n] is not None:
+                        br.probs.append(probs[n])
+                    if cands is not None:
+                        br.cands.append(cands[n])
+                    if hidden is not None:
+                        br.rows.append(hidden[i, b])
+                    tokens[i][b] = picked[n]
+            logits = None
+            if ran:  # (choosing costs as much as the forward at batch 32)
+                self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)
+
+    # -- the glue and the tree's first depth in one call -----------------------------------------
+    def _can_fold(self) -> bool:
+        return self.FOLD and hasattr(self.backend, "forward_glue_branches")
+
+    def _glue_and_grow(self, seqs: list[DraftSeq], feeds: list[list[int]], should_stop: Callable[[], bool], budget_s: float) -> None:
+        """The glue forward and the first depth of the tree in one call (``forward_glue_branches``), then the
+        rest of the tree. A verdict that rejects draft j < k roots a branch the glue does not need: its token
+        and the tokens it follows are known before the glue, so it starts in the glue's own call and ends one
+        draft deeper than it would after a separate glue. A verdict that accepts the whole block needs the glue's
+        last logits for its token, so its lanes start at the next call. A small draft's call is mostly fixed
+        cost (the demo draft on one CPU core: 1.6 ms for the glue, 2.1 ms a depth, at batch 1), so at batch 1
+        this buys a second draft for most branches within one verify. Where the first depth's rows would cost
+        the tree a whole depth (calls that are mostly compute), the glue keeps its own call."""
+        started = time.perf_counter()
+        early = [self._roots(s) for s in seqs]  # before the glue: rejections inside the block only
+        depth_max, plan = self._depth_max(seqs), None
+        if any(early) and depth_max >= 1:
+            # The bonus verdicts' probabilities estimated (their tokens are the glue's output): the block accepted
+            # whole, spread as the last draft's candidates were.
+            estimated = []
+            for s, e in zip(seqs, early):
+                reach = float(np.prod(self.acceptance[: len(s.block)]))
+                shape = s.block_cands[len(s.block) - 1][1] if s.block and s.block_cands else [1.0]
+                limit = self.max_branches if self.max_branches is not None else (max(len(s.block), s.num_asked) + 1) * self.fanout
+                estimated.append(sorted(e + [(reach * p, len(s.block), -1) for p in shape[: self.fanout]], key=lambda x: -x[0])[:limit])
+            plan = self._fold_plan(estimated, depth_max, len(seqs), max(len(f) for f in feeds),
+                                   budget_s - (time.perf_counter() - started) if budget_s > 0 else 0.0)
+        if plan is None:
+            self._glue(seqs, feeds)
+            self._grow_tree(seqs, should_stop, max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0)
+            return
+        width, depth = plan
+        chosen = [x[:width] for x in estimated]
+        roots = [[(j, tok) for _, j, tok in c if tok >= 0] for c in chosen]  # early lanes first, bonus lanes after
+        num_bonus = [sum(1 for _, _, tok in c if tok < 0) for c in chosen]
+        lanes = max(len(r) + b for r, b in zip(roots, num_bonus))
+        prefix_lens = [[s.block_base + j - self.ENTRY_SHIFT for j, _ in r] for s, r in zip(seqs, roots)]
+        after, logits = self.backend.forward_glue_branches([s.key for s in seqs], feeds, [[t for _, t in r] for r in roots], prefix_lens, lanes)
+        self._after_glue(seqs, feeds, after)
+        # The bonus lanes' roots: the glue's own candidates after the whole block.
+        first = []
+        for s, r, b in zip(seqs, roots, num_bonus):
+            bonus = [(j, t) for _, j, t in self._roots(s) if j == len(s.block)][:b]
+            first.append([0] * len(r) + [1] * len(bonus))
+            r += bonus
+        branches = [[Branch([], [], []) for _ in r] for r in roots]
+        tokens = [[tok for _, tok in r] for r in roots]
+        self.last_tree = (lanes, 0)
+        self.tree_counts["num_trees"] += 1
+        self.tree_counts["num_trees_folded"] += 1
+        self._extend(seqs, roots, branches, tokens, first, lanes, range(depth + 1), should_stop, logits=logits)
         for s, r, bs in zip(seqs, roots, branches):
             s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+
+    def _fold_plan(self, estimated: list[list[tuple[float, int, int]]], depth_max: int, num_seqs: int, width_fed: int,
+                   left_s: float) -> tuple[int, int] | None:
+        """(branches per sequence, depth) of a tree whose first depth shares the glue's call, or None where the
+        glue should keep its own. ``estimated``: each sequence's roots, best first, a bonus root's token -1.
+        A call costs about what a tree depth of as many rows does (``tree_cost``). Folded, the glue's call
+        carries the first depth's rows as well: where those rows would cost the tree a depth (a draft whose
+        forward is mostly compute, not fixed cost), or the tree has no root the glue's call can start, None."""
+        width, depth = self._tree_size(estimated, depth_max, 0.0)  # no budget known: the whole tree (preemption guards it)
+        if left_s > 0 and self.tree_cost.samples:
+            apart = self._tree_size(estimated, depth_max, max(1e-9, left_s - self.tree_cost.predict(num_seqs * width_fed)))
+            lanes = max(min(apart[0], len(x)) for x in estimated)
+            width, depth = self._tree_size(estimated, depth_max, max(1e-9, left_s - self.tree_cost.predict(num_seqs * (width_fed + lanes))))
+            if depth < apart[1]:
+                return None
+        if not any(tok >= 0 for x in estimated for _, _, tok in x[:width]):
+            return None
+        return width, depth
 
     def _root_rows(self, seqs: list[DraftSeq], roots: list[list[tuple[int, int]]], lanes: int) -> torch.Tensor | None:
         return None  # a causal LM reads tokens only

@@ -172,6 +172,8 @@ class HFBackend:
                     for depth in (0, 1):
                         self.forward_branches(group, [[1] * lanes] * n, [[2] * lanes] * n, depth, lanes,
                                               hidden=None if rows is None else torch.stack(rows))
+                    if rows is None:  # a causal LM's glue shares its call with the tree's first depth
+                        self.forward_glue_branches(group, [[1] * (lanes + 1)] * n, [[1] * lanes] * n, [[2] * lanes] * n, lanes)
         finally:
             for s in ids:
                 self.free(s)
@@ -275,28 +277,76 @@ class HFBackend:
         depth: int,  # 0 for the branch roots, then 1, 2, ...
         num_lanes: int,  # >= every num_branches_i, the same at every depth of one tree
         hidden: torch.Tensor | None = None,  # [batch_size, num_lanes, hidden]: a draft head's input row per lane
+        starts: list[list[int]] | None = None,  # [batch_size][num_branches_i]: the depth each branch started at (0)
     ) -> torch.Tensor:  # [batch_size, num_lanes, vocab] float32 (rows past num_branches_i are padding)
-        """One depth of each sequence's branch tree; see the module docstring. Commits nothing."""
+        """One depth of each sequence's branch tree; see the module docstring. Commits nothing. A branch that
+        started at depth s > 0 (``starts``) holds its own slots from depth s on: its token at this depth is its
+        (depth - s)-th."""
         rows = [self._row[s] for s in seq_ids]
         input_ids, position_ids, slots, prefix, lane_start = [], [], [], [], []
-        for row, toks, lens in zip(rows, token_ids, prefix_lens):
+        for i, (row, toks, lens) in enumerate(zip(rows, token_ids, prefix_lens)):
             committed = self._length[row]
             assert len(toks) == len(lens) <= num_lanes and all(0 < p <= committed for p in lens)
             pad = num_lanes - len(toks)
+            first = list(starts[i]) + [0] * pad if starts is not None else [0] * num_lanes
+            assert all(f <= depth for f in first)
             input_ids.append(list(toks) + [0] * pad)
-            pos = [p + depth for p in lens] + [committed] * pad
+            pos = [p + depth - f for p, f in zip(lens, first)] + [committed] * pad
             if max(pos) >= self.max_model_len:
                 raise ValueError(f"branch of {seq_ids[rows.index(row)]!r} would pass max_model_len={self.max_model_len}")
             position_ids.append(pos)
             base = committed + depth * num_lanes
             slots.append([base + b for b in range(num_lanes)])
             prefix.append(list(lens) + [1] * pad)  # padding lanes see one real slot: never an all-masked row
-            lane_start.append([committed + b for b in range(num_lanes)])
+            lane_start.append([committed + first[b] * num_lanes + b for b in range(num_lanes)])
         dev = self.device
         slot_t = torch.tensor(slots, device=dev)
         stride = torch.full_like(slot_t, num_lanes)
         return self._run(rows, input_ids, position_ids, slot_t, torch.tensor(prefix, device=dev),
                          torch.tensor(lane_start, device=dev), stride, slot_t, num_lanes, max(s[-1] for s in slots), hidden)
+
+    @torch.no_grad()
+    def forward_glue_branches(
+        self,
+        seq_ids: list[str],
+        feeds: list[list[int]],  # [batch_size][n_i >= 1]: tokens to commit, as ``forward``
+        token_ids: list[list[int]],  # [batch_size][num_branches_i]: depth 0 of branches that need only cached or fed tokens
+        prefix_lens: list[list[int]],  # [batch_size][num_branches_i]: tokens each branch continues (<= committed + n_i)
+        num_lanes: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([batch_size, vocab] after each feed, [batch_size, num_lanes, vocab])
+        """``forward`` of ``feeds`` and depth 0 of a branch tree in one call: the lanes may continue fed tokens (each
+        layer writes a row's keys before its queries read them). Lanes sit where ``forward_branches`` would put
+        depth 0 after the feeds; a lane without a branch is padding, free for a branch that starts at depth 1.
+        Commits the feeds, never the lanes. One call costs about one forward's fixed cost (on a small draft,
+        most of it), not two."""
+        rows = [self._row[s] for s in seq_ids]
+        width = max(len(f) for f in feeds) + num_lanes
+        input_ids, position_ids, slots, prefix, lane_start, stride, lane_end = [], [], [], [], [], [], []
+        for sid, row, feed, toks, lens in zip(seq_ids, rows, feeds, token_ids, prefix_lens):
+            start, n = self._length[row], len(feed)
+            committed, pad = start + n, width - num_lanes - len(feed)
+            assert n >= 1 and len(toks) == len(lens) <= num_lanes and all(0 < p <= committed for p in lens)
+            if committed + 1 > self.max_model_len or max(lens, default=0) >= self.max_model_len:
+                raise ValueError(f"sequence {sid!r} would pass max_model_len={self.max_model_len}")
+            lane_pad = num_lanes - len(toks)
+            input_ids.append([0] * pad + list(feed) + list(toks) + [0] * lane_pad)
+            position_ids.append([0] * pad + list(range(start, committed)) + list(lens) + [committed] * lane_pad)
+            # Padding of the feed writes to depth 1's slots, which no query of this call sees and depth 1 rewrites.
+            lanes = [committed + b for b in range(num_lanes)]
+            row_slots = [committed + num_lanes + i for i in range(pad)] + list(range(start, committed)) + lanes
+            slots.append(row_slots)
+            prefix.append([s + 1 for s in row_slots[:pad + n]] + list(lens) + [1] * lane_pad)
+            lane_start.append([0] * (pad + n) + lanes)
+            stride.append([0] * (pad + n) + [num_lanes] * num_lanes)
+            lane_end.append([0] * (pad + n) + lanes)
+        dev = self.device
+        slot_t = torch.tensor(slots, device=dev)
+        logits = self._run(rows, input_ids, position_ids, slot_t, torch.tensor(prefix, device=dev), torch.tensor(lane_start, device=dev),
+                           torch.tensor(stride, device=dev), torch.tensor(lane_end, device=dev), num_lanes + 1,
+                           max(max(s) for s in slots))
+        for row, feed in zip(rows, feeds):  # commit only after the forward succeeded
+            self._length[row] += len(feed)
+        return logits[:, 0], logits[:, 1:]
 
     def _run(self, rows, input_ids, position_ids, slots, prefix_len, lane_start, lane_stride, lane_end, keep, max_slot,
              hidden_states=None):

@@ -99,6 +99,52 @@ def test_branch_trees_match_full_forwards(tmp_path, arch):
         assert torch.allclose(logits[0, -1], ref(torch.tensor([ctx + [11]])).logits[0, -1], atol=1e-9)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_feeds_and_a_trees_first_depth_in_one_call_match_full_forwards(tmp_path, arch):
+    """``forward_glue_branches``: feeds of different lengths commit as ``forward`` would, branches in the same call
+    continue tokens fed in it, and a branch that starts one depth later (``starts``) sees its own path only."""
+    make_model(tmp_path / "m", arch=arch, seed=2)
+    backend = HFBackend(str(tmp_path / "m"), dtype="float64")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float64).eval()
+
+    def full(tokens):
+        with torch.no_grad():
+            return ref(torch.tensor([tokens])).logits[0, -1]
+
+    ctx = {"a": [5, 6, 7, 8], "b": [9, 10]}
+    feeds = {"a": [11, 12, 13], "b": [14]}  # "a"'s feed is wider: "b" is padded into depth 1's slots
+    for s in ctx:
+        backend.add(s)
+    backend.forward(list(ctx), list(ctx.values()), [1, 1])
+    # Early branches continue 5 and 6 tokens of "a" (the second inside its feed), 3 of "b" (all of it).
+    early = {"a": ([20, 21], [5, 6]), "b": ([30], [3])}
+    lanes = 3  # lane 2 of "a" and lanes 1-2 of "b" stay free at depth 0
+    after, out = backend.forward_glue_branches(["a", "b"], [feeds["a"], feeds["b"]], [early["a"][0], early["b"][0]],
+                                               [early["a"][1], early["b"][1]], lanes)
+    seq = {s: ctx[s] + feeds[s] for s in ctx}
+    assert backend.num_cached("a") == 7 and backend.num_cached("b") == 3
+    paths = {}
+    for row, s in enumerate("ab"):
+        assert torch.allclose(after[row], full(seq[s]), atol=1e-9), (arch, s)
+        for lane, (tok, n) in enumerate(zip(*early[s])):
+            path = seq[s][:n] + [tok]
+            assert torch.allclose(out[row, lane], full(path), atol=1e-9), (arch, s, lane)
+            paths[(s, lane)] = path + [int(out[row, lane].argmax())]
+    # Depth 1: the early branches go on; "a" lane 2 and "b" lane 1 start here, after the whole feed.
+    paths[("a", 2)], paths[("b", 1)] = seq["a"] + [40], seq["b"] + [41]
+    tokens = [[paths[("a", 0)][-1], paths[("a", 1)][-1], 40], [paths[("b", 0)][-1], 41]]
+    for depth in (1, 2):
+        out = backend.forward_branches(["a", "b"], tokens, [[5, 6, 7], [3, 3]], depth, lanes, starts=[[0, 0, 1], [0, 1]])
+        for row, s in enumerate("ab"):
+            for lane in range(len(tokens[row])):
+                assert torch.allclose(out[row, lane], full(paths[(s, lane)]), atol=1e-9), (arch, depth, s, lane)
+                paths[(s, lane)].append(int(out[row, lane].argmax()))
+                tokens[row][lane] = paths[(s, lane)][-1]
+    assert backend.num_cached("a") == 7 and backend.num_cached("b") == 3
+    logits = backend.forward(["b"], [[15]], [1])  # the committed sequence is untouched by the lanes
+    assert torch.allclose(logits[0, -1], full(seq["b"] + [15]), atol=1e-9)
+
+
 def test_failed_forward_commits_nothing(tmp_path):
     make_model(tmp_path / "m", max_positions=16)
     backend = HFBackend(str(tmp_path / "m"))

@@ -45,6 +45,11 @@ def _steps(backend: HFBackend, width: int = 0) -> list[torch.Tensor]:
     backend.add("d")
     out.append(backend.forward(["d"], [list(range(1, 30))], [1], hidden=rows(29)))
     out.append(backend.forward(["c", "d", "a"], [[30, 31], [32], [33, 34, 35]], [1, 1, 1], hidden=rows(2, 1, 3)))
+    if not width:  # a causal LM's glue with its tree's first depth, then a depth where lanes start late
+        out.extend(backend.forward_glue_branches(["a", "c"], [[40, 41, 42], [43]], [[44, 45], [46]], [[9, 10], [9]], 3))
+        out.extend(backend.forward_glue_branches(["d"], [[47]], [[48]], [[30]], 1))
+        out.append(backend.forward_branches(["a", "c"], [[50, 51, 52], [53, 54]], [[9, 10, 11], [9, 9]], 1, 3,
+                                            starts=[[0, 0, 1], [0, 1]]))
     return out
 
 

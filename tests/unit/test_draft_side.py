@@ -180,9 +180,10 @@ def test_trees_shrink_when_the_next_request_waits_for_them_and_regrow(tiny_pair)
     side = DraftSide(ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2))
     drafter = side.drafter
     side.handle(ProposeRequest(1, opens=[OpenSeq("r", [1, 2, 3])], request_ids=["r"], num_draft_tokens=[3]))
-    waiting = iter([False, False, True])  # the request arrives during the tree's second depth
+    # The request arrives during the tree's second depth (its first is in the glue's call: no check before it).
+    waiting = iter([False, False, True])
     side.prepare(lambda: next(waiting, True))
-    assert drafter.last_tree[1] == 1 and drafter.budget_scale == pytest.approx(0.7)
+    assert drafter.last_tree[1] == 2 and drafter.budget_scale == pytest.approx(0.7)
     for step in range(2, 12):
         block = side.handle(ProposeRequest(step, results=[VerifyResult("r", len(side.seqs["r"].token_ids), 0, [5])],
                                            request_ids=["r"], num_draft_tokens=[3])).blocks[0]
@@ -239,3 +240,46 @@ def test_a_prompt_pushed_alone_gets_its_first_block_drafted_ahead_with_the_last_
     block = reply.blocks[0]
     assert block.cache_hit and block.base_len == len(prompt) + 1
     assert block.draft_token_ids == greedy_drafts(model, prompt + [nxt], 3)
+
+
+def test_the_glues_call_starts_the_tree_so_a_rejection_inside_the_block_finds_two_drafts_after_one_more_call(tiny_pair):
+    """The glue and the tree's first depth share one call: after it and one depth more, a verdict that rejects
+    the block's second draft (a branch the glue did not need) finds two cached drafts, each the draft's own
+    greedy continuation; the verdict that accepts the whole block (its token is the glue's output) finds one."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_pair["perturbed"], dtype=torch.float64).eval()
+    side = DraftSide(ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2))
+    prompt = [3, 8, 13, 18]
+    block = side.handle(ProposeRequest(1, opens=[OpenSeq("r", prompt)], request_ids=["r"], num_draft_tokens=[3])).blocks[0]
+    drafts = block.draft_token_ids
+    assert drafts == greedy_drafts(model, prompt, 3)
+    checks = iter([False, False])  # before drafting ahead, before the second tree call; then the request is waiting
+    side.prepare(lambda: next(checks, True))
+    s = side.seqs["r"]
+    assert side.drafter.last_tree[1] == 2 and s.num_fed == len(prompt) + 3  # the block was fed (the glue) as well
+    with torch.no_grad():
+        second = model(torch.tensor([prompt + drafts[:1]])).logits[0, -1].topk(2).indices.tolist()
+    rejected = next(t for t in second if t != drafts[1])  # the draft's likeliest other token at the block's 2nd draft
+    bonus = greedy_drafts(model, prompt + drafts, 1)[0]
+    assert len(s.cache[(1, rejected)].token_ids) == 2 and len(s.cache[(3, bonus)].token_ids) == 1
+    reply = side.handle(ProposeRequest(2, results=[VerifyResult("r", len(prompt), 1, [drafts[0], rejected])], request_ids=["r"],
+                                       num_draft_tokens=[3], draft_misses=False))
+    hit = reply.blocks[0]
+    assert hit.cache_hit and hit.draft_token_ids == greedy_drafts(model, prompt + [drafts[0], rejected], 2)
+
+
+@pytest.mark.parametrize("per_call_s, per_row_s, folded", [(0.1, 0.0, True), (0.0, 0.1, False)])
+def test_the_glue_shares_its_call_with_the_tree_only_where_the_rows_cost_no_depth(tiny_pair, per_call_s, per_row_s, folded):
+    """The plan, from the tree forwards' measured cost by rows: where a call's cost is fixed, the glue's call carries
+    the tree's first depth; where rows cost time and the extra rows would cost the tree a depth, the glue keeps its
+    own call; and it keeps it where no chosen root can start in it (the bonus verdicts need the glue's output)."""
+    drafter = ModelDrafter(HFBackend(tiny_pair["perturbed"], dtype="float64"), fanout=2)
+    for rows in (1, 2, 4, 8):
+        for _ in range(2):
+            drafter.tree_cost.add(rows, per_call_s + per_row_s * rows)
+    # One sequence, the glue feeding one token: a root rejecting draft 0 (token 7), or a bonus root (token -1).
+    roots = [[(0.6, 0, 7)], [(0.6, 3, -1)]]
+    # Apart: 0.85 x (0.4 - c(1 row)) buys 2 depths of one lane either way; folded, flat calls leave it 2 and
+    # per-row costs 1 (0.85 x (0.4 - c(2 rows)) = 0.17 < 2 x 0.1).
+    assert drafter._fold_plan(roots[:1], 3, 1, 1, 0.4) == ((1, 2) if folded else None)
+    assert drafter._fold_plan([roots[1]], 3, 1, 1, 0.4) is None  # only a bonus root: nothing to start in the glue's call
+    assert drafter._fold_plan(roots[:1], 3, 1, 1, 0.0) == (1, 3)  # no budget known: the whole tree, folded
