@@ -8,12 +8,14 @@ path. Off it (``prepare``, after the reply has left, while the target verifies;
 SSD/Saguaro's idea): one *glue* forward feeds the block just sent, then the likeliest
 verdicts (j drafts accepted then recovered token r; all accepted then bonus r; for an empty
 block, the target's own next token) are drafted ahead as branches of a tree, one batched
-forward per depth. The tree's width (branches per sequence) and depth are sized to the
-target's budget, the time until its next request, from the measured cost of a tree forward
-by rows: the most expected accepted tokens that fit; with no budget known, the whole tree
-until the next request arrives. Draws are keyed by token position (``rng``), so a block
-drafted ahead equals the block drafted on demand: hits and misses never change output.
-Logits stay in the draft's own vocabulary width; the target aligns q rows to its own.
+forward per depth; where a call is mostly fixed cost, the tree's first depth rides in the glue's
+own forward for every branch that does not need the glue's output (``_glue_and_grow``). The tree's
+width (branches per sequence) and depth are sized to the target's budget, the time until its next
+request, from the measured cost of a tree forward by rows: the most expected accepted tokens that
+fit; with no budget known, the whole tree until the next request arrives. Draws are keyed by
+token position (``rng``), so a block drafted ahead equals the block drafted on demand: hits and
+misses never change output. Logits stay in the draft's own vocabulary width; the target aligns
+q rows to its own.
 """
 
 from __future__ import annotations
