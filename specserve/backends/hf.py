@@ -6,8 +6,9 @@ goes to stale slots past them, so the last ``num_logits`` positions of every row
 ``forward_branches`` runs one depth of per-sequence branch trees (the draft's speculation
 cache) in scratch slots past the committed length: lane ``b`` of a row sees the row's
 first ``prefix_len[b]`` cached tokens and its own lane, nothing else. Scratch is never
-committed. ``forward_glue_branches`` runs a ``forward`` and a tree's depth 0 in one call. The mask is built here, by slot, so any architecture that accepts a 4-D
-additive mask and explicit position ids works (Llama, Qwen2, GPT-2, GPT-NeoX are tested).
+committed. ``forward_glue_branches`` runs a ``forward`` and a tree's depth 0 in one call.
+The mask is built here, by slot, so any architecture that accepts a 4-D additive mask and
+explicit position ids works (Llama, Qwen2, GPT-2, GPT-NeoX are tested).
 """
 
 from __future__ import annotations
