@@ -308,9 +308,8 @@ class ModelDrafter:
         def left() -> float:  # the budget still unspent (0.0: no budget known, a tree as deep as asked)
             return max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0
 
-        if short and self._can_fold():
-            self._glue_and_grow([seqs[i] for i in short], [feeds[i] for i in short], should_stop, left())
-        elif short:
+        if short and not (self._can_fold() and self._glue_and_grow([seqs[i] for i in short], [feeds[i] for i in short],
+                                                                   should_stop, left())):
             self._glue([seqs[i] for i in short], [feeds[i] for i in short])
             self._grow_tree([seqs[i] for i in short], should_stop, left())
         if long and not should_stop():
@@ -423,7 +422,7 @@ class ModelDrafter:
     def _can_fold(self) -> bool:
         return self.FOLD and hasattr(self.backend, "forward_glue_branches")
 
-    def _glue_and_grow(self, seqs: list[DraftSeq], feeds: list[list[int]], should_stop: Callable[[], bool], budget_s: float) -> None:
+    def _glue_and_grow(self, seqs: list[DraftSeq], feeds: list[list[int]], should_stop: Callable[[], bool], budget_s: float) -> bool:
         """The glue forward and the first depth of the tree in one call (``forward_glue_branches``), then the
         rest of the tree. A verdict that rejects draft j < k roots a branch the glue does not need: its token
         and the tokens it follows are known before the glue, so it starts in the glue's own call and ends one
@@ -431,7 +430,7 @@ class ModelDrafter:
         last logits for its token, so its lanes start at the next call. A small draft's call is mostly fixed
         cost (the demo draft on one CPU core: 1.6 ms for the glue, 2.1 ms a depth, at batch 1), so at batch 1
         this buys a second draft for most branches within one verify. Where the first depth's rows would cost
-        the tree a whole depth (calls that are mostly compute), the glue keeps its own call."""
+        the tree a whole depth (calls that are mostly compute), the glue keeps its own call: False, nothing done."""
         started = time.perf_counter()
         early = [self._roots(s) for s in seqs]  # before the glue: rejections inside the block only
         depth_max, plan = self._depth_max(seqs), None
@@ -442,14 +441,12 @@ class ModelDrafter:
             for s, e in zip(seqs, early):
                 reach = float(np.prod(self.acceptance[: len(s.block)]))
                 shape = s.block_cands[len(s.block) - 1][1] if s.block and s.block_cands else [1.0]
-                limit = self.max_branches if self.max_branches is not None else (max(len(s.block), s.num_asked) + 1) * self.fanout
-                estimated.append(sorted(e + [(reach * p, len(s.block), -1) for p in shape[: self.fanout]], key=lambda x: -x[0])[:limit])
+                estimated.append(sorted(e + [(reach * p, len(s.block), -1) for p in shape[: self.fanout]],
+                                        key=lambda x: -x[0])[: self._max_roots(s)])
             plan = self._fold_plan(estimated, depth_max, len(seqs), max(len(f) for f in feeds),
                                    budget_s - (time.perf_counter() - started) if budget_s > 0 else 0.0)
         if plan is None:
-            self._glue(seqs, feeds)
-            self._grow_tree(seqs, should_stop, max(1e-9, budget_s - (time.perf_counter() - started)) if budget_s > 0 else 0.0)
-            return
+            return False
         width, depth = plan
         chosen = [x[:width] for x in estimated]
         roots = [[(j, tok) for _, j, tok in c if tok >= 0] for c in chosen]  # early lanes first, bonus lanes after
@@ -472,6 +469,7 @@ class ModelDrafter:
         self._extend(seqs, roots, branches, tokens, first, lanes, range(depth + 1), should_stop, logits=logits)
         for s, r, bs in zip(seqs, roots, branches):
             s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+        return True
 
     def _fold_plan(self, estimated: list[list[tuple[float, int, int]]], depth_max: int, num_seqs: int, width_fed: int,
                    left_s: float) -> tuple[int, int] | None:
@@ -538,5 +536,8 @@ class ModelDrafter:
             else:
                 scored += [(reach * p, j, t) for t, p in zip(tokens, q)][: self.fanout]
         scored.sort(key=lambda x: -x[0])
-        limit = self.max_branches if self.max_branches is not None else (max(k, s.num_asked) + 1) * self.fanout
-        return scored[:limit]
+        return scored[: self._max_roots(s)]
+
+    def _max_roots(self, s: DraftSeq) -> int:
+        """The most branches a sequence's tree may have: ``max_branches``, else ``fanout`` per verdict position."""
+        return self.max_branches if self.max_branches is not None else (max(len(s.block), s.num_asked) + 1) * self.fanout
