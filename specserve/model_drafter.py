@@ -352,27 +352,25 @@ class ModelDrafter:
         width, depth = self._tree_size(scored, depth_max, left)
         roots = [[(j, tok) for _, j, tok in r[:width]] for r in scored]
         lanes = max(len(r) for r in roots)
-        branches = [[Branch([], [], []) for _ in r] for r in roots]
-        tokens = [[tok for _, tok in r] for r in roots]
         hidden = self._root_rows(seqs, roots, lanes)  # a head's input rows per lane, else None
-        self.last_tree = (lanes, 0)
-        self.tree_counts["num_trees"] += 1
-        self._extend(seqs, roots, branches, tokens, None, lanes, range(depth), should_stop, hidden)
-        for s, r, bs in zip(seqs, roots, branches):
-            s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+        self._extend(seqs, roots, None, lanes, range(depth), should_stop, hidden)
 
     def _depth_max(self, seqs: list[DraftSeq]) -> int:
         """The deepest a branch may go: the longest block asked for, short of the draft's context."""
         room = self.backend.max_model_len
         return min(max(max(s.num_asked, len(s.block)) for s in seqs), min(room - s.block_base - len(s.block) - 1 for s in seqs))
 
-    def _extend(self, seqs: list[DraftSeq], roots: list[list[tuple[int, int]]], branches: list[list[Branch]],
-                tokens: list[list[int]], first: list[list[int]] | None, lanes: int, depths, should_stop: Callable[[], bool],
-                hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
-        """Run the tree's ``depths``: each call feeds every lane's last token (``tokens``) and appends the draft it
-        picks to the lane's branch. ``first``: the depth each lane started at (a lane rooted at a block's bonus
-        position starts one depth late when the glue ran in the tree's first call); None, all at 0. ``logits``:
-        the first depth's, already computed (``forward_glue_branches``)."""
+    def _extend(self, seqs: list[DraftSeq], roots: list[list[tuple[int, int]]], first: list[list[int]] | None, lanes: int,
+                depths, should_stop: Callable[[], bool], hidden: torch.Tensor | None = None, logits: torch.Tensor | None = None) -> None:
+        """Grow the tree rooted at ``roots`` through ``depths`` and keep each sequence's branches as its cache: each
+        call feeds every lane's last token and appends the draft it picks to the lane's branch. ``first``: the depth
+        each lane started at (a lane rooted at a block's bonus position starts one depth late when the glue ran in
+        the tree's first call); None, all at 0. ``logits``: the first depth's, already computed
+        (``forward_glue_branches``)."""
+        branches = [[Branch([], [], []) for _ in r] for r in roots]
+        tokens = [[tok for _, tok in r] for r in roots]  # each lane's last token
+        self.last_tree = (lanes, 0)
+        self.tree_counts["num_trees"] += 1
         starts = [[s.block_base + j for j, _ in r] for s, r in zip(seqs, roots)]  # where each root's token sits
         prefix_lens = [[p - self.ENTRY_SHIFT for p in ps] for ps in starts]
         for d in depths:
@@ -417,6 +415,8 @@ class ModelDrafter:
             logits = None
             if ran:  # (choosing costs as much as the forward at batch 32)
                 self.tree_cost.add(len(seqs) * lanes, time.perf_counter() - start)
+        for s, r, bs in zip(seqs, roots, branches):
+            s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
 
     # -- the glue and the tree's first depth in one call -----------------------------------------
     def _can_fold(self) -> bool:
@@ -461,14 +461,8 @@ class ModelDrafter:
             bonus = [(j, t) for _, j, t in self._roots(s) if j == len(s.block)][:b]
             first.append([0] * len(r) + [1] * len(bonus))
             r += bonus
-        branches = [[Branch([], [], []) for _ in r] for r in roots]
-        tokens = [[tok for _, tok in r] for r in roots]
-        self.last_tree = (lanes, 0)
-        self.tree_counts["num_trees"] += 1
         self.tree_counts["num_trees_folded"] += 1
-        self._extend(seqs, roots, branches, tokens, first, lanes, range(depth + 1), should_stop, logits=logits)
-        for s, r, bs in zip(seqs, roots, branches):
-            s.cache = {(j, tok): br for (j, tok), br in zip(r, bs) if br.token_ids}
+        self._extend(seqs, roots, first, lanes, range(depth + 1), should_stop, logits=logits)
         return True
 
     def _fold_plan(self, estimated: list[list[tuple[float, int, int]]], depth_max: int, num_seqs: int, width_fed: int,
@@ -478,13 +472,14 @@ class ModelDrafter:
         A call costs about what a tree depth of as many rows does (``tree_cost``). Folded, the glue's call
         carries the first depth's rows as well: where those rows would cost the tree a depth (a draft whose
         forward is mostly compute, not fixed cost), or the tree has no root the glue's call can start, None."""
-        width, depth = self._tree_size(estimated, depth_max, 0.0)  # no budget known: the whole tree (preemption guards it)
         if left_s > 0 and self.tree_cost.samples:
             apart = self._tree_size(estimated, depth_max, max(1e-9, left_s - self.tree_cost.predict(num_seqs * width_fed)))
             lanes = max(min(apart[0], len(x)) for x in estimated)
             width, depth = self._tree_size(estimated, depth_max, max(1e-9, left_s - self.tree_cost.predict(num_seqs * (width_fed + lanes))))
             if depth < apart[1]:
                 return None
+        else:
+            width, depth = self._tree_size(estimated, depth_max, 0.0)  # no budget known: the whole tree (preemption guards it)
         if not any(tok >= 0 for x in estimated for _, _, tok in x[:width]):
             return None
         return width, depth
