@@ -7,8 +7,12 @@ use, and Ray, Serve, vLLM and GPU extras only by the modules that need them.
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = "0.2.0"
+try:
+    __version__ = version("specserve")  # pyproject.toml is the one place the version is written
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 _EXPORTS = {
     "LLM": "specserve.llm",
