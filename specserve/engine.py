@@ -20,15 +20,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
 from .messages import OpenSeq
-from .outputs import SpecMetrics, StepDelta
+from .outputs import Committed, SpecMetrics, StepDelta
 from .pool import DraftPool
 from .rng import random_seed
 from .sampling_params import SamplingParams
-from .target import TargetSide
+from .target import Admission, TargetSide
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,15 @@ TIMING_KEYS = ("wall_s", "target_forward_s", "prefill_s", "draft_wait_s", "draft
                "draft_forward_s", "draft_hidden_s")
 
 
+class Waiting(NamedTuple):
+    """A request not admitted yet; ``committed``: the output it resumes from (another replica's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    committed: Committed | None = None
+
+
 class RequestQueue:
     """What every engine core shares: requests wait in ``waiting`` until a step admits them into
     ``target.seqs`` (specserve's ``EngineCore`` and the vLLM one, ``vllm/target.py``)."""
@@ -56,10 +65,11 @@ class RequestQueue:
     waiting: deque
     target: object  # has .seqs (request id -> state) and .num_seqs
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    committed: Committed | None = None) -> None:
         if request_id in self.target.seqs or any(w[0] == request_id for w in self.waiting):
             raise ValueError(f"request_id {request_id!r} is already running")
-        self.waiting.append((request_id, list(prompt_token_ids), params))
+        self.waiting.append(Waiting(request_id, list(prompt_token_ids), params, committed))
 
     def _drop_waiting(self, request_id: str) -> bool:
         for i, w in enumerate(self.waiting):
@@ -99,8 +109,8 @@ class EngineCore(RequestQueue):
                          "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0}
 
     # -- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.target.validate(prompt_token_ids, params)
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, committed: Committed | None = None) -> None:
+        self.target.validate(prompt_token_ids, params, committed)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; frees its state on both sides. True if it existed."""
@@ -133,8 +143,8 @@ class EngineCore(RequestQueue):
         taken from the prefill (``TargetSide.open``) are delivered now, or with the step's deltas."""
         batch = []
         while self.waiting and self.target.num_seqs + len(batch) < self.max_num_seqs:
-            rid, prompt, params = self.waiting.popleft()
-            batch.append((rid, prompt, params, params.seed if params.seed is not None else random_seed()))
+            rid, prompt, params, committed = self.waiting.popleft()
+            batch.append(Admission(rid, prompt, params, params.seed if params.seed is not None else random_seed(), committed))
         if not batch:
             return []
         start = time.perf_counter()
@@ -327,6 +337,12 @@ class _LoopSink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _resuming(committed: Committed | None) -> tuple:
+    """The extra argument of a resumed request's validation and admission (none for a new one, so a
+    core that never resumes keeps the three-argument surface)."""
+    return () if committed is None else (committed,)
+
+
 def _put_all(items: list) -> None:
     for queue, item in items:
         queue.put_nowait(item)
@@ -345,15 +361,19 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Validate (``ValueError`` in the caller) and queue a request; deltas go to ``sink``."""
-        self.submit_many([(request_id, prompt_token_ids, params, sink)])
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
+               committed: Committed | None = None) -> None:
+        """Validate (``ValueError`` in the caller) and queue a request; deltas go to ``sink``. ``committed``:
+        the output it already has (resumed from another replica), which it continues."""
+        self.submit_many([(request_id, prompt_token_ids, params, sink, committed)])
 
-    def submit_many(self, requests: list[tuple[str, list[int], SamplingParams, Sink]]) -> None:
-        """Validate every request first, then queue them together: one step admits them all."""
-        for _, tokens, params, _ in requests:
-            self.core.validate(tokens, params)
-        self._inbox.append(("add_many", [(rid, list(tokens), params, sink) for rid, tokens, params, sink in requests]))
+    def submit_many(self, requests: list[tuple]) -> None:
+        """Validate every request first, then queue them together: one step admits them all. Each is
+        (request_id, prompt_token_ids, params, sink), or with a fifth item, its ``committed`` output."""
+        queued = [(rid, list(tokens), params, sink, rest[0] if rest else None) for rid, tokens, params, sink, *rest in requests]
+        for _, tokens, params, _, committed in queued:
+            self.core.validate(tokens, params, *_resuming(committed))
+        self._inbox.append(("add_many", queued))
         self._wake.set()
 
     def abort(self, request_id: str) -> None:
@@ -400,10 +420,10 @@ class EngineLoop:
         self.submit_many([with_sink(r) for r in requests[:window]])
         return stop
 
-    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, committed: Committed | None = None):
         """``StepDelta``s of one request in the caller's event loop; leaving early aborts the request."""
         deltas: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, _LoopSink(asyncio.get_running_loop(), deltas))
+        self.submit(request_id, prompt_token_ids, params, _LoopSink(asyncio.get_running_loop(), deltas), committed)
         finished = False
         try:
             while not finished:
@@ -452,12 +472,12 @@ class EngineLoop:
         while self._inbox:
             msg = self._inbox.popleft()
             if msg[0] == "add_many":
-                for rid, tokens, params, sink in msg[1]:
+                for rid, tokens, params, sink, committed in msg[1]:
                     if rid in self._sinks:
                         sink(ValueError(f"request_id {rid!r} is already running"))
                         continue
                     self._sinks[rid] = sink
-                    self.core.add_request(rid, tokens, params)
+                    self.core.add_request(rid, tokens, params, *_resuming(committed))
             else:
                 rid = msg[1]
                 if self.core.abort(rid):

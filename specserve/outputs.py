@@ -1,4 +1,5 @@
-"""What callers get back: per-request outputs, streamed deltas and speculation metrics.
+"""What callers get back: per-request outputs, streamed deltas and speculation metrics; and what a
+resumed request brings back (``Committed``: the output it already has).
 
 Metric names and definitions follow vLLM's spec-decode metrics: acceptance rate =
 accepted / draft tokens; mean acceptance length = 1 + accepted / drafts, where a *draft*
@@ -94,6 +95,49 @@ class StepDelta:
     def from_dict(cls, d: dict) -> "StepDelta":
         """From the dict a worker streams (which may carry extra keys, e.g. the replica's name)."""
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The output a request already has, for another target replica to resume it from: its output
+    token ids and how many characters of their text the caller has received (a stop string's
+    possible start is held back, so this can be fewer than the text of the tokens)."""
+
+    token_ids: tuple[int, ...] = ()
+    num_text_chars: int = 0
+
+    def __post_init__(self) -> None:
+        ids = tuple(self.token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"committed token ids must be non-negative integers, got {[t for t in ids if not isinstance(t, int) or t < 0][:3]}")
+        if isinstance(self.num_text_chars, bool) or not isinstance(self.num_text_chars, int) or self.num_text_chars < 0:
+            raise ValueError(f"committed num_text_chars must be a non-negative integer, got {self.num_text_chars!r}")
+        object.__setattr__(self, "token_ids", ids)
+
+    def check(self, prompt_len: int, params, vocab_size: int, max_model_len: int) -> None:
+        """``ValueError`` unless a target with this vocabulary and context can resume a request with these
+        ``SamplingParams`` from this output."""
+        n = len(self.token_ids)
+        bad = [t for t in self.token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"committed token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if n >= params.max_tokens or prompt_len + n >= max_model_len:
+            raise ValueError(f"committed: {n} output tokens leave no room for another (max_tokens {params.max_tokens}, "
+                             f"max_model_len {max_model_len})")
+        if params.prompt_logprobs is not None:
+            raise ValueError("committed: a resumed request cannot ask for prompt_logprobs again (its first delta carried them)")
+
+    def to_dict(self) -> dict:
+        return {"token_ids": list(self.token_ids), "num_text_chars": self.num_text_chars}
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Committed | None":
+        """From the wire (None, or an empty output: nothing to resume from)."""
+        if not d:
+            return None
+        if not isinstance(d, dict):
+            raise ValueError(f"committed must be a map of token_ids and num_text_chars, got {type(d).__name__}")
+        return cls(tuple(d.get("token_ids") or ()), d.get("num_text_chars", 0))
 
 
 @dataclass

@@ -143,8 +143,10 @@ class SeqGrammar:
             self.matcher.rollback(fed)
         return fed
 
-    def commit(self, token_ids: list[int]) -> None:
-        """Advance by the tokens the sequence kept (each was allowed by its row's mask)."""
-        for t in token_ids:
+    def commit(self, token_ids: list[int]) -> int:
+        """Advance by the tokens the sequence kept (each was allowed by its row's mask); how many the
+        grammar took (fewer only for a resumed request's committed output that it does not allow)."""
+        for i, t in enumerate(token_ids):
             if self.matcher.is_terminated() or not self.matcher.accept_token(t):
-                break
+                return i
+        return len(token_ids)

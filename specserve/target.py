@@ -8,8 +8,10 @@ live sequence in one forward, runs the batched verifier over all rows at once, t
 cuts the result at any stop, commits it and rolls the KV back to ``len(tokens) - 1``
 (invariant: the cache holds every committed token but the last). ``defer`` admits prompts
 whose prefill rides in the next verify forward instead (a row of the whole prompt, first token
-from its last logits). A row that fails while being committed fails alone. Knows nothing of
-drafts' origin, channels or Ray.
+from its last logits). A row that fails while being committed fails alone. A resumed request
+(``Admission.committed``: the output another replica had already produced) is opened on its
+whole context with its state rebuilt from that output (``resume_state``): it goes on exactly as
+it would have where it started. Knows nothing of drafts' origin, channels or Ray.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +27,7 @@ from .backends.base import ModelBackend
 from .messages import DraftBlock, VerifyResult
 from .logits_processing import SeqProcessor, bad_word_token_ids, check_token_ids, logprob_entries
 from .models import vocab_fingerprint
-from .outputs import StepDelta
+from .outputs import Committed, StepDelta
 from .sampling_params import SamplingParams
 from .stopping import StopChecker
 from .verifier import SamplingBatch, verify
@@ -43,6 +46,40 @@ class TargetSeq:
     prompt_logprobs: list | None = None  # computed by the prefill, sent with the first delta
     open_hidden: torch.Tensor | None = None  # [prefilled positions, width]: the prefill's rows for a draft head (sent once, at open)
     pending: bool = False  # admitted, prompt not prefilled yet: the step's verify forward prefills it and gives its first token
+
+
+class Admission(NamedTuple):
+    """One request entering the target: prompt, parameters, the seed its draws are keyed by, and for
+    a resumed request the output it already has."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    committed: Committed | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The context the target holds: the prompt and any committed output."""
+        return self.prompt_token_ids + list(self.committed.token_ids) if self.committed else self.prompt_token_ids
+
+
+def resume_state(stopper: StopChecker, grammar, committed: Committed) -> None:
+    """Bring a new sequence's stop checker (text, stop-string window, counts) and grammar matcher to
+    where they were after ``committed``; penalties, ``min_tokens`` and the position-keyed draws read
+    the committed output from the sequence's tokens. ``ValueError`` if that output could not have
+    been committed (it ends the request, or the grammar refuses it)."""
+    ids = list(committed.token_ids)
+    kept = stopper.append(ids)
+    if stopper.finish_reason is not None:
+        raise ValueError(f"committed: the output already ends the request at its token {len(kept) - 1} "
+                         f"(finish_reason {stopper.finish_reason!r}); there is nothing to resume")
+    if grammar is not None and grammar.commit(ids) != len(ids):
+        raise ValueError("committed: the output does not follow the request's structured_outputs constraint")
+    if committed.num_text_chars > len(stopper.text):
+        raise ValueError(f"committed: num_text_chars={committed.num_text_chars} exceeds the output's text "
+                         f"({len(stopper.text)} characters)")
+    stopper.sent_chars = committed.num_text_chars  # the caller has this much of the text: the next delta starts there
 
 
 class TargetSide:
@@ -81,13 +118,17 @@ class TargetSide:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, committed: Committed | None = None) -> None:
         """Everything ``open`` would reject, checked up front (at submission)."""
         self.check_prompt(prompt_token_ids)
-        StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
+        stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt_token_ids), self.max_model_len)
         check_token_ids(params, self.vocab_size, self.tokenizer)
         if params.structured_outputs is not None:
             self.grammars().compile(*params.structured_outputs)
+        if committed is not None:
+            committed.check(len(prompt_token_ids), params, self.vocab_size, self.max_model_len)
+            grammar = self.grammars().matcher(*params.structured_outputs) if params.structured_outputs else None
+            resume_state(stopper, grammar, committed)
 
     def grammars(self):
         if self._grammars is None:
@@ -123,49 +164,52 @@ class TargetSide:
         own = getattr(self.backend, "vocab_fingerprint", None)  # e.g. the simulator's
         return own() if own is not None else vocab_fingerprint(self.tokenizer, self.vocab_size)
 
-    def _register(self, requests: list[tuple[str, list[int], SamplingParams, int]], pending: bool = False) -> None:
-        for rid, prompt, params, seed in requests:
+    def _register(self, requests: list[Admission], pending: bool = False) -> None:
+        for r in requests:
+            rid, prompt, params = r.request_id, r.prompt_token_ids, r.params
             stopper = StopChecker(params, self.eos_token_ids, self.tokenizer, len(prompt), self.max_model_len)
-            processor = None
+            processor = grammar = None
             if params.processes_logits:
                 stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
                 grammar = self.grammars().matcher(*params.structured_outputs) if params.structured_outputs else None
                 processor = SeqProcessor(params, prompt, self.vocab_size, stop_ids, bad_word_token_ids(params.bad_words, self.tokenizer),
                                          grammar)
-            self.seqs[rid] = TargetSeq(rid, list(prompt), params, stopper, seed, processor, pending=pending)
+            if r.committed is not None:
+                resume_state(stopper, grammar, r.committed)
+            self.seqs[rid] = TargetSeq(rid, list(r.token_ids), params, stopper, r.seed, processor, pending=pending)
             self.backend.add(rid)
 
-    def defer(self, requests: list[tuple[str, list[int], SamplingParams, int]]) -> list[str]:
+    def defer(self, requests: list[Admission]) -> list[str]:
         """Admit the requests whose prefill can ride in the next verify forward (one weight read for
         both, as vLLM mixes prefills into decode steps) when the backend says that pays
         (``fuses_prefill``); their ids. The verify gives each its first token from the prompt's last
         logits, as ``open(first_tokens=True)`` would. Not deferred: seeded sampled requests (their
         first step speculates), prompt logprobs (the prefill's logits), prompts another sequence
         already holds or shares in this batch (copied, not prefilled), and any prompt while a draft
-        head reads the target's rows (it needs them at open)."""
+        head reads the target's rows (it needs them at open). A resumed request's row is its whole
+        context, shared with no other."""
         if not getattr(self.backend, "fuses_prefill", False) or self.hidden_layers:
             return []
         keys: dict[tuple[int, ...], int] = {}
-        for _, prompt, _, _ in requests:
-            keys[tuple(prompt[:-1])] = keys.get(tuple(prompt[:-1]), 0) + 1
+        for r in requests:
+            keys[tuple(r.prompt_token_ids[:-1])] = keys.get(tuple(r.prompt_token_ids[:-1]), 0) + 1
         deferred = []
         for r in requests:
-            rid, prompt, params, _ = r
-            if not ((params.greedy or params.seed is None) and params.prompt_logprobs is None and keys[tuple(prompt[:-1])] == 1
-                    and (len(prompt) == 1 or tuple(prompt[:-1]) not in self._by_prompt)):
+            rid, prompt, params = r.request_id, r.prompt_token_ids, r.params
+            shared = r.committed is None and (keys[tuple(prompt[:-1])] > 1 or (len(prompt) > 1 and tuple(prompt[:-1]) in self._by_prompt))
+            if not ((params.greedy or params.seed is None) and params.prompt_logprobs is None and not shared):
                 continue
             try:
                 self._register([r], pending=True)
             except Exception:  # left to open(), which fails it alone
                 self.seqs.pop(rid, None)
                 continue
-            if len(prompt) > 1:
+            if len(prompt) > 1 and r.committed is None:
                 self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(rid)
             deferred.append(rid)
         return deferred
 
-    def open(self, requests: list[tuple[str, list[int], SamplingParams, int]], first_tokens: bool = False
-             ) -> tuple[list[StepDelta], dict[str, Exception]]:
+    def open(self, requests: list[Admission], first_tokens: bool = False) -> tuple[list[StepDelta], dict[str, Exception]]:
         """Admit (request_id, prompt, params, seed) sequences; prefill their prompts in one forward.
 
         ``first_tokens``: greedy and unseeded requests that prefill their own prompt get their first
@@ -173,7 +217,7 @@ class TargetSide:
         waits for no verify step. Seeded sampled requests do not: which draw becomes which token
         follows the draft blocks from the first step on, and the same seed must give the same output."""
         self._register(requests)
-        first = {rid for rid, _, params, _ in requests if first_tokens and (params.greedy or params.seed is None)}
+        first = {r.request_id for r in requests if first_tokens and (r.params.greedy or r.params.seed is None)}
         prefill, forks = self._plan_prefill(requests, first)
         first_rows: list[tuple[int, str]] = []  # (prefill row, request) of the sequences whose first token the prefill gives
         logits = None
@@ -183,8 +227,8 @@ class TargetSide:
             try:
                 logits = self.backend.forward([r for r, _, _ in prefill], [t for _, t, _ in prefill], num_logits)
             except BaseException:
-                for rid, _, _, _ in requests:
-                    self.close(rid)
+                for r in requests:
+                    self.close(r.request_id)
                 raise
             captured = self._captured()  # [rows, width, hidden], right-aligned like the logits
             for row, ((rid, tokens, params), n) in enumerate(zip(prefill, num_logits)):
@@ -201,11 +245,12 @@ class TargetSide:
         for dst, src, length in forks:
             self.backend.fork(src, dst, length)
             self.num_prefills_shared += 1
-        for rid, prompt, params, _ in requests:
-            if params.prompt_logprobs is not None and len(prompt) == 1:
-                self.seqs[rid].prompt_logprobs = [None]
-            if len(prompt) > 1:
-                self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(rid)
+        for r in requests:
+            prompt = r.prompt_token_ids
+            if r.params.prompt_logprobs is not None and len(prompt) == 1:
+                self.seqs[r.request_id].prompt_logprobs = [None]
+            if len(prompt) > 1 and r.committed is None:
+                self._by_prompt.setdefault(tuple(prompt[:-1]), set()).add(r.request_id)
         if not first_rows:
             return [], {}
         rows = torch.tensor([row for row, _ in first_rows], device=logits.device)
@@ -213,8 +258,8 @@ class TargetSide:
         try:
             deltas, _, failed = self._decide(seqs, [[] for _ in seqs], [None] * len(seqs), logits[rows, -1:], None, set())
         except BaseException:  # as a failed prefill: nothing of this batch stays open (the engine retries one by one)
-            for rid, _, _, _ in requests:
-                self.close(rid)
+            for r in requests:
+                self.close(r.request_id)
             raise
         return deltas, failed
 
@@ -223,12 +268,14 @@ class TargetSide:
         live sequence, or prefilled earlier in this batch, is copied. Not with prompt logprobs (they
         need the prefill's logits) nor a draft head (it needs the prefill's hidden rows). A row in
         ``first`` that is prefilled takes its whole prompt (its first token comes from the last logits);
-        the others all but the last token, which their first verification feeds."""
+        the others all but the last token, which their first verification feeds. A resumed request
+        prefills its whole context (prompt and committed output) and copies nothing."""
         fork = getattr(self.backend, "fork", None)
         prefill, forks, source = [], [], {}
-        for rid, prompt, params, _ in requests:
+        for r in requests:
+            rid, prompt, params = r.request_id, r.token_ids, r.params
             key = tuple(prompt[:-1])
-            if key and fork is not None and params.prompt_logprobs is None and not self.hidden_layers:
+            if key and fork is not None and params.prompt_logprobs is None and not self.hidden_layers and r.committed is None:
                 src = source.get(key) or next((r for r in self._by_prompt.get(key, ()) if self.backend.num_cached(r) >= len(key)), None)
                 if src is not None:
                     forks.append((rid, src, len(key)))

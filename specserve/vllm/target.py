@@ -171,7 +171,7 @@ class VLLMEngineCore(RequestQueue):
         sync_omp_threads()
         result = StepResult()
         while self.waiting:
-            rid, prompt, params = self.waiting.popleft()
+            rid, prompt, params, committed = self.waiting.popleft()
             try:
                 self.target.seqs[rid] = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), self._params(params))
                 if params.logprobs is not None:
