@@ -17,7 +17,6 @@ direction. Knows nothing of models.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -154,12 +153,21 @@ def measure_rtt(delays_ms: list[float], num_samples: int = 30, payload_bytes: in
         ray.kill(echo)
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="bare round trip between two local Ray nodes")
-    p.add_argument("--delays-ms", default="0,1,5")
-    p.add_argument("--samples", type=int, default=50)
-    a = p.parse_args()
+def main(argv=None) -> int:
+    from .cli import parser
+
+    p = parser("benchmarks.bench_cluster", "What does a bare round trip between the two local Ray nodes of the harness cost, "
+               "with and without an emulated delay?\n\nAn actor on the target node calls one on the draft node; the delay "
+               "is slept once each way.")
+    p.add_argument("--delays-ms", default="0,1,5", help="emulated one-way delays, comma-separated")
+    p.add_argument("--samples", type=int, default=50, help="round trips per delay")
+    a = p.parse_args(argv)
     with local_cluster():
         for row in measure_rtt([float(x) for x in a.delays_ms.split(",")], a.samples):
             print(f"one-way delay {row['delay_ms']:g} ms: RTT median {row['rtt_ms_median']:.2f} ms "
                   f"(min {row['rtt_ms_min']:.2f}, p90 {row['rtt_ms_p90']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,20 +1,22 @@
-"""specserve's own engine on one GPU: its step time target-only and with an in-process draft, and the arms
-the adaptive controller ran.
+"""On one CUDA GPU, what does an in-process draft do to specserve's own engine: its step time and
+tokens/s, target-only and with the draft, and which arms (k) the adaptive controller ran?
 
-For a lent GPU machine (no hub access): builds a random-weight Llama target from a config (default
-~1.1B parameters, bfloat16) and a draft made of its first and last layers (same embedding and LM head,
-so it agrees with the target often enough to measure), saves both and loads them back through
+Needs no model hub: builds a random-weight Llama target from a config (default ~1.1B parameters,
+bfloat16) and a draft made of its first and last layers (the same embedding and LM head, so it
+agrees with the target often enough to measure), saves both and loads them back through
 ``from_pretrained``. Then, at each batch size B (B requests in flight, greedy, ``--max-tokens`` each):
 
 - ``specserve target-only``: ``LLM(target, device="cuda")``: tok/s and time per engine step;
-- ``specserve + draft``: the same with the draft in-process on the same GPU (defaults: adaptive k), and
-  how many steps ran each arm (k) over the run, warm-up included;
+- ``specserve + draft``: the same with the draft in-process on the same GPU (adaptive k), and how
+  many steps ran each arm over the run, warm-up included;
 - greedy exactness of every speculative row against target-only (bfloat16 batched numerics may flip
-  near-ties; float32 must be exact).
+  near-ties; ``tests/gpu`` checks exactness in float32).
 
-Prints a table, writes ``--out``/gpu.json, gpu.md and gpu.png.
+Writes ``--out``/gpu.md (also printed), gpu.json and gpu.png. ``scripts/gpu_check.sh`` runs
+``tests/gpu`` and then this benchmark, each under its own time limit.
 
-    python -m benchmarks.bench_gpu [--batch-sizes 1,8,32] [--max-tokens 64] [--dtype bfloat16] [--out bench_gpu]
+    python -m benchmarks.bench_gpu                          # batch 1, 8, 32; 64 tokens a request (under 200 s on an H200)
+    python -m benchmarks.bench_gpu --max-tokens 128 --dtype float32
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
+
+from .cli import header, parser
 
 
 def build_pair(root: Path, hidden: int, layers: int, vocab: int, dtype, middle_scale: float) -> tuple[str, str]:
@@ -59,15 +63,16 @@ def build_pair(root: Path, hidden: int, layers: int, vocab: int, dtype, middle_s
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
-    """The random pair (``build_pair``: its shape, where it is written) and its prompts' length; shared with ``profile_gpu``."""
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dtype", default="bfloat16")
+    """The random pair (``build_pair``: its shape, where it is written) and its prompts' length; shared with
+    ``dev/profile_gpu``."""
+    p.add_argument("--prompt-tokens", type=int, default=32, help="prompt length in tokens (random ids)")
+    p.add_argument("--hidden", type=int, default=2048, help="the target's hidden size (a multiple of 128)")
+    p.add_argument("--layers", type=int, default=16, help="the target's layers (the draft keeps the first and the last)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size of both models")
+    p.add_argument("--dtype", default="bfloat16", help="torch dtype of both models")
     p.add_argument("--middle-scale", type=float, default=0.03,
-                   help="scale of the target's middle layers' output projections: sets how often the draft agrees [0.03]")
-    p.add_argument("--models", default="/tmp/specserve_gpu_pair", help="where the random pair is written")
+                   help="scale of the target's middle layers' output projections: sets how often the draft agrees")
+    p.add_argument("--models", default=None, help="where the random pair is written; default: --out/pair")
 
 
 def run_llm(target: str, draft: str | None, prompts, batch: int, max_tokens: int, dtype: str) -> tuple[dict, list]:
@@ -95,20 +100,21 @@ def run_llm(target: str, draft: str | None, prompts, batch: int, max_tokens: int
     return row, [o.token_ids for o in outs]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--max-tokens", type=int, default=64)
+def main(argv=None) -> None:
+    p = parser("benchmarks.bench_gpu", __doc__)
+    p.add_argument("--batch-sizes", default="1,8,32", help="requests in flight, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     add_pair_args(p)
-    p.add_argument("--out", default="bench_gpu")
-    args = p.parse_args()
+    p.add_argument("--out", default="bench_out/gpu", help="folder for gpu.md, gpu.json and gpu.png")
+    args = p.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
+    title = header("benchmarks.bench_gpu", argv)
     dtype = getattr(torch, args.dtype)
     os.environ["SPECSERVE_TRACE"] = "1"  # the controller keeps its cycles: which arms (k) the run used
-    root = Path(args.models)
+    root = Path(args.models or Path(args.out) / "pair")
     target, draft = build_pair(root, args.hidden, args.layers, args.vocab, dtype, args.middle_scale)
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -122,7 +128,7 @@ def main() -> None:
                      "greedy_exact": exact})
         print(rows[-1], flush=True)
     device = torch.cuda.get_device_name(0)
-    lines = [f"specserve's own engine on {device}, {args.dtype}; target {args.layers} layers x {args.hidden} "
+    lines = [title, "", f"specserve's own engine on {device}, {args.dtype}; target {args.layers} layers x {args.hidden} "
              f"(random weights), draft = its first and last layers; greedy, k<=4, {args.max_tokens} tokens per request",
              "", "| batch | target-only step ms | + draft step ms | target-only tok/s | + draft tok/s | speed-up | "
              "acceptance | tokens/step | steps by arm | greedy exact |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
@@ -137,7 +143,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.md").write_text(table + "\n")
-    (out / "gpu.json").write_text(json.dumps({"device": device, "args": vars(args), "rows": rows}, indent=1))
+    (out / "gpu.json").write_text(json.dumps({"header": title, "device": device, "args": vars(args), "rows": rows}, indent=1))
     try:
         import matplotlib
 

@@ -1,4 +1,5 @@
-"""Where a request's time goes on its way in: the same target, four ways, one request at a time.
+"""Where does a request's time go on its way in, and what does each hop cost: the same target called
+in-process, through a Ray actor, through a Serve handle and over HTTP, one request at a time.
 
 Measures time to first token (TTFT) and the median gap between streamed tokens (TPOT) for a
 greedy request of ``--max-tokens`` tokens through:
@@ -15,20 +16,20 @@ default, ``server.direct_streams``) and through a Serve handle call. Each step d
 so the differences between rows are what that hop costs.
 
 An HTTP client has a cost of its own, which any server pays the same (the ``openai`` SDK's request
-building and per-chunk parsing: several ms on this 2-core box). So the HTTP rows are measured with
+building and per-chunk parsing, which can take milliseconds on a small CPU). So the HTTP rows are measured with
 two clients, the ``openai`` SDK and a minimal one (one HTTP/1.1 request written on an open socket,
 the response read up to the first token), and each client is also timed against a null server (a
 plain ASGI app in its own process that streams one chunk at once): that floor is the client's own
 time, and "server" is a row's time to first token less its client's floor. Target-only
-by default (the path's cost, not speculation's); ``--draft`` adds the draft to every row. Prints a
-table and writes ``--out``/http_path.json.
+by default (the path's cost, not speculation's); ``--draft`` adds the draft to every row. Writes
+``--out``/http_path.md (also printed), http_path.json and http_path.png.
 
-    python -m benchmarks.bench_http [--requests 30] [--max-tokens 32] [--draft demo:draft]
+    python -m benchmarks.bench_http                       # the demo target, 30 requests of 32 tokens a row (a few minutes)
+    python -m benchmarks.bench_http --draft demo:draft    # with the demo draft in every row
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -36,6 +37,8 @@ import socket
 import statistics
 import time
 from pathlib import Path
+
+from .cli import header, parser
 
 PROMPT = [11, 23, 5, 47, 9, 31, 2, 17]
 
@@ -148,14 +151,15 @@ def run_llm(llm, params, n: int) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="demo:target")
-    parser.add_argument("--draft", default=None, help="a draft for every row (default: target-only)")
-    parser.add_argument("--requests", type=int, default=30)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--port", type=int, default=8131)
-    parser.add_argument("--out", default="bench_out/http")
-    args = parser.parse_args(argv)
+    p = parser("benchmarks.bench_http", __doc__)
+    p.add_argument("--target", default="demo:target", help="the target model (a directory, a hub id, or demo:target)")
+    p.add_argument("--draft", default=None, help="a draft for every row; default: target-only")
+    p.add_argument("--requests", type=int, default=30, help="timed requests per row, one at a time (after 3 untimed)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--port", type=int, default=8131, help="the router's port; Serve's proxy takes the next, the null server the one after")
+    p.add_argument("--out", default="bench_out/http", help="folder for http_path.md, http_path.json and http_path.png")
+    args = p.parse_args(argv)
+    title = header("benchmarks.bench_http", argv)
 
     import openai
     import ray
@@ -226,7 +230,7 @@ def main(argv=None) -> int:
         serve.shutdown()
         ray.shutdown()
     floors = client_floors(args.requests, args.port + 2, args.max_tokens)
-    lines = [f"{args.target}{' + ' + args.draft if args.draft else ''}, {args.requests} requests of {args.max_tokens} tokens, "
+    lines = [title, "", f"{args.target}{' + ' + args.draft if args.draft else ''}, {args.requests} requests of {args.max_tokens} tokens, "
              "one at a time (medians)", "",
              f"Client floors (each client against a null server): openai SDK {floors['openai']:.1f} ms, "
              f"minimal client {floors['minimal']:.1f} ms.", "",
@@ -243,9 +247,31 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "http_path.json").write_text(json.dumps({"args": vars(args), "client_floors_ms": floors, "rows": rows}, indent=1))
+    (out / "http_path.json").write_text(json.dumps({"header": title, "args": vars(args), "client_floors_ms": floors, "rows": rows},
+                                                   indent=1))
     (out / "http_path.md").write_text("\n".join(lines) + "\n")
+    plot(rows, base, out / "http_path.png")
+    print(f"wrote {out / 'http_path.md'}, {out / 'http_path.json'}, {out / 'http_path.png'}")
     return 0
+
+
+def plot(rows: dict, base_ms: float, path: Path) -> None:
+    """One bar per path: its median time to first token, the in-process time marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows)
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(names) + 1.2))
+    ax.barh(names, [rows[n]["ttft_ms"] for n in names], color="tab:blue")
+    ax.axvline(base_ms, color="gray", ls="--", lw=1, label="in-process")
+    ax.invert_yaxis()
+    ax.set_xlabel("median time to first token, ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,41 @@
-"""vLLM's own benchmark client (`vllm bench serve`, unpatched) against four OpenAI servers, one at a time.
+"""Serving over HTTP at 1, 8 and 32 clients: is ``specserve serve`` faster than ``vllm serve``, with and
+without vLLM's own colocated draft?
 
-The servers, each given the same target (and draft):
+vLLM's own benchmark client (``vllm bench serve``, unpatched, ``--backend openai``, /v1/completions)
+against four OpenAI servers, each given the same target (and draft):
 
 - ``vllm serve``: vLLM's OpenAI server, target only;
-- ``vllm serve colocated``: the same with ``--speculative-config`` ``draft_model``, k = ``--k``;
-- ``specserve serve``: the Serve app (router, target replica, draft replica), specserve's own engine (``target.backend: hf``);
-- ``specserve serve vllm``: the same app with the vLLM target engine (``target.backend: vllm``, what the default,
-  ``auto``, runs where vLLM is installed).
+- ``vllm serve colocated k=K``: the same with ``--speculative-config`` ``draft_model``;
+- ``specserve serve``: the Serve app (router, target replica, draft replica) on specserve's own
+  engine (``target.backend: hf``);
+- ``specserve serve vllm``: the same app with the vLLM target engine (``target.backend: vllm``, what
+  the default, ``auto``, runs where vLLM is installed).
 
 In the two-device harness by default (``bench_cluster.local_cluster``: the target node, vLLM's
-servers and the client on the target's cores, specserve's draft node on the others; each process
-one OpenMP thread), ``--shared-cores`` for every process on every core. Per server and concurrency
-the client sends ``--warmups-per-client`` untimed requests per client at the level's concurrency, then
-``--num-prompts`` random prompts (at least ``--requests-per-client`` per client) of
-``--input-len`` tokens for ``--output-len`` tokens (``ignore_eos``), greedy, and reports completed/failed requests, output tok/s, median TTFT
-and TPOT, and, in the harness, where the target's core went during the client's main run: each
-role's share of it (the models, the HTTP layer, the client, Ray's and Serve's own processes;
-``cpu_share``) and how busy the draft's core was. Prints a table, writes ``--out``/serve.{md,json}
-and a plot.
+servers and the client on the target's cores, specserve's draft node on the others; one OpenMP
+thread per process); ``--shared-cores`` puts every process on every core. vLLM's servers run with
+``--disable-log-stats``, as specserve's vLLM target runs. Per server and concurrency the client sends
+``--warmups-per-client`` untimed requests per client at the level's concurrency, then
+``--num-prompts`` random prompts (at least ``--requests-per-client`` per client) of ``--input-len``
+tokens for ``--output-len`` tokens (greedy, ``ignore_eos``). The table gives completed and failed
+requests, output tok/s, the ratio to the better vLLM server, median TTFT and TPOT, where the
+target's core went during the client's main run (each role's share: the models, the HTTP layer,
+the client, Ray's and Serve's own processes; ``cpu_share``), how busy the draft's core was, and
+specserve's draft blocks verified per generated token. Writes ``--out``/serve.md (also printed),
+serve.json and serve.png; vLLM's server logs go to ``--out``/logs.
 
-``--rounds N`` (N > 1) pairs the servers: all of them run at once (at most one specserve server), and
-each level is measured N times, every server once a round in an order that rotates, so a slow
-moment of the box falls on all alike; the table then gives each server's median over the rounds and
-its ratio to the better vLLM server round by round (median, range, rounds at or above 1.0). One at a
-time (the default), the servers meet the box's drift minutes apart: on 2026-11-28 vLLM's colocated
-server went from 1.41x to 1.82x ``vllm serve`` at one client between two such runs.
+One server at a time (the default), the servers meet the machine's drift minutes apart. ``--rounds
+N`` (N > 1) pairs them instead: every server runs at once (at most one specserve server), each
+level is measured N times, every server once a round in an order that rotates, and the table gives
+each server's median over the rounds and its ratio to the better vLLM server round by round
+(median, range, rounds at or above 1.0).
 
-    python -m benchmarks.bench_serve [--concurrency 1,8,32] [--num-prompts 32] [--shared-cores]
+    python -m benchmarks.bench_serve                                   # the four servers at 1, 8, 32 clients (10-15 min on 2 cores)
     python -m benchmarks.bench_serve --rounds 3 --servers "vllm serve,vllm serve colocated k=4,specserve serve vllm"
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -43,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import cpu_share
+from . import cli, cpu_share
 from .bench_cluster import THREAD_ENV, local_cluster
 
 VLLM_OPTIONS = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
@@ -73,7 +76,7 @@ class VLLMServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "bench",
                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32", "--seed", "0",
                "--kv-cache-memory-bytes", str(VLLM_OPTIONS["kv_cache_memory_bytes"]), "--max-model-len", str(VLLM_OPTIONS["max_model_len"]),
-               "--disable-log-stats"]  # as specserve's vLLM target runs (stat logging costs vLLM's engine ~10% per step on CPU)
+               "--disable-log-stats"]  # as specserve's vLLM target runs: stat logging costs vLLM's engine per token
         if draft:
             cmd += ["--speculative-config", json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": k})]
         # nobind: vLLM-CPU must not re-pin its threads over the harness's cores (the server inherits the target's).
@@ -160,35 +163,36 @@ def run_client(base: str, tokenizer: str, concurrency: int, args, out_dir: Path,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="demo:target")
-    parser.add_argument("--draft", default="demo:draft")
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels [1,8,32]")
-    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per level, at least --requests-per-client x its concurrency [32]")
-    parser.add_argument("--requests-per-client", type=int, default=8, help="requests each client sends at least, per level [8]")
+    parser = cli.parser("benchmarks.bench_serve", __doc__)
+    parser.add_argument("--target", default="demo:target", help="the target model (a directory, a hub id, or demo:target)")
+    parser.add_argument("--draft", default="demo:draft", help="the draft model, for vLLM's colocated server and specserve's draft")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens: vLLM's colocated k, specserve's largest")
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated max concurrency levels")
+    parser.add_argument("--num-prompts", type=int, default=32, help="prompts per level, at least --requests-per-client x its concurrency")
+    parser.add_argument("--requests-per-client", type=int, default=8, help="requests each client sends at least, per level")
     parser.add_argument("--warmups-per-client", type=int, default=1,
-                        help="untimed requests per client before each level's main run, sent at its concurrency [1]: every "
+                        help="untimed requests per client before each level's main run, sent at its concurrency: every "
                              "server sees the level's batch sizes before it is timed (specserve's controller measures its arms "
                              "on a batch size it has not run; vLLM's engine meets the level's shapes)")
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--servers", default=None, help="only these, comma-separated, as the table names them")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt length in tokens (random ids)")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens generated per request (ignore_eos)")
+    parser.add_argument("--servers", default=None, help="only these, comma-separated, named as the table names them; default: all four")
     parser.add_argument("--shared-cores", action="store_true", help="every process on every core (no device emulation)")
     parser.add_argument("--port", type=int, default=8141, help="specserve's port; Serve's proxy takes the next (direct ingress), vLLM's servers the two after")
     parser.add_argument("--ingress", choices=("direct", "proxy"), default="direct",
                         help="how HTTP reaches specserve's router: the router replica's own server (Serve's direct ingress, "
-                             "the default of `specserve serve`) or Serve's proxy [direct]")
+                             "what `specserve serve` sets up) or Serve's proxy")
     parser.add_argument("--head", choices=("target", "draft"), default="target",
-                        help="which box is Ray's head node: it holds Ray's and Serve's control plane and specserve's router "
-                             "(direct ingress) and Registry [target, as the cluster YAMLs]")
+                        help="which emulated device is Ray's head node: it holds Ray's and Serve's control plane and specserve's "
+                             "router (direct ingress) and Registry; the cluster YAMLs put it on the target's")
     parser.add_argument("--rounds", type=int, default=1,
                         help="N > 1: every server up at once (at most one specserve server), each level measured N times, "
-                             "the servers in a rotating order each round, ratios paired by round [1: one server at a time]")
-    parser.add_argument("--out", default="bench_out/serve")
+                             "the servers in a rotating order each round, ratios paired by round; 1: one server at a time")
+    parser.add_argument("--out", default="bench_out/serve", help="folder for serve.md, serve.json, serve.png and the servers' logs")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    title = cli.header("benchmarks.bench_serve", argv)
 
     from ray import serve
 
@@ -272,16 +276,16 @@ def main(argv=None) -> int:
                     server.close()
         serve.shutdown()
         where += f"; {args.rounds} rounds, every server up, in a rotating order" if args.rounds > 1 else "; one server at a time"
-    lines = [f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
-             f"greedy, ignore_eos; {args.num_prompts} prompts per level, at least {args.requests_per_client} per client, after {args.warmups_per_client} untimed per client); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs; one run", "",
+    lines = [title, "", f"`vllm bench serve` (unpatched, `--backend openai`, /v1/completions, random {args.input_len} in / {args.output_len} out, "
+             f"greedy, ignore_eos; {args.num_prompts} prompts per level, at least {args.requests_per_client} per client, after {args.warmups_per_client} untimed per client); {where}; vLLM's servers with --disable-log-stats, as specserve's vLLM target runs", "",
              "| server | concurrency | completed / failed | output tok/s | vs best vLLM | median TTFT ms | median TPOT ms | "
              "target's cores, % of one: model / http / client / ray/serve / other | draft's cores busy % | draft blocks per token |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     paired = args.rounds > 1
     if paired:  # medians over the rounds; the ratio paired by round
-        lines[0] += f"; medians of {args.rounds} rounds"
-        lines[2] = lines[2][:-1] + "| vs best vLLM by round: median (min-max), rounds >= 1 |"
-        lines[3] += "---|"
+        lines[2] += f"; medians of {args.rounds} rounds"
+        lines[4] = lines[4][:-1] + "| vs best vLLM by round: median (min-max), rounds >= 1 |"
+        lines[5] += "---|"
     summary = summarize(rows)
     for r in summary:
         ratio = f"{r['vs_best_vllm']:.2f}x" if r["vs_best_vllm"] is not None else "-"
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
         lines.append(line)
     print("\n".join(lines))
     (out / "serve.md").write_text("\n".join(lines) + "\n")
-    (out / "serve.json").write_text(json.dumps({"args": vars(args), "where": where, "rows": rows, "summary": summary}, indent=1))
+    (out / "serve.json").write_text(json.dumps({"header": title, "args": vars(args), "where": where, "rows": rows, "summary": summary}, indent=1))
     _plot(summary, levels, out / "serve.png")
     print(f"wrote {out / 'serve.md'}, {out / 'serve.json'}, {out / 'serve.png'}")
     return 0

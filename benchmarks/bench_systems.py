@@ -1,20 +1,35 @@
-"""Every system side by side, in one run, interleaved, with the same prompts and settings.
+"""How close does specserve come to what speculation can give, and how does it compare with other
+ways of speculating, on real model pairs and on the simulated DGX Spark + RTX 5090?
 
-Data flow: for each scenario (``scenarios.py``: demo pair, realistic-cost pair, simulated
-Spark + 5090) load every system once (``systems.py``: target-only, specserve in-process at
-several k and adaptive, specserve on two labelled Ray nodes with drafting ahead on/off and
-emulated link delays, transformers assisted generation, vLLM target-only and colocated
-draft-model speculation); then for each batch size warm each system up and run the
-repeats round-robin (the order rotates each repeat), so a noisy moment on a shared machine
-hits all systems alike -> records -> ``report.py`` (tables.md, results.json) and
-``plots.py`` (PNGs) in ``--out``. Ctrl-C / SIGTERM stop Ray, the models and vLLM cleanly
-and still write what was measured. Two devices are emulated by default on machines with >= 2
-cores (``bench_cluster.local_cluster``): the Ray draft node on its own cores, and everything
-colocated (in-process specserve, transformers, vLLM) confined to the target node's cores;
-``--shared-cores`` runs everything on every core instead.
+Every system side by side, in one run, interleaved, with the same prompts and settings. For each
+scenario (``scenarios.py``: the demo pair, the realistic-cost pair, the simulator's Qwen3-32B on a
+DGX Spark with a Qwen3-1.7B draft on an RTX 5090, or ``--target``/``--draft``) every system is
+loaded once (``systems.py``: target-only; specserve in-process at several k and adaptive; specserve
+on two labelled Ray nodes with drafting ahead on and off and emulated link delays or link profiles;
+transformers assisted generation; vLLM target-only and colocated draft-model speculation; in the
+simulator a draft colocated on the target's device). Then for each batch size every system is
+warmed up and the repeats run round-robin, the order rotating each repeat, so a slow moment of the
+machine hits all systems alike.
 
-    python -m benchmarks.bench_systems                    # full: batch 1, 8, 32; 3 repeats (long)
-    python -m benchmarks.bench_systems --quick            # every system, tiny sizes (minutes)
+Per row: tokens/s (median, min-max), the speed-up over the system's own target-only run,
+acceptance, tokens per step, the per-step split (target forward, draft forwards on the critical
+path, link, overhead), greedy exactness against that target-only run, and the analytical bounds
+from the same run's measured step times (``report.py``: serial and overlapped), with the fraction
+of each reached. Also the adaptive controller's predicted speed-ups beside the fixed-k runs', and
+whether a remote draft beats a colocated one (the round trip against the drafting time it saves).
+Writes ``--out``/tables.md (also printed), results.json and PNG plots (``plots.py``); Ctrl-C or
+SIGTERM stops Ray, the models and vLLM and still writes what was measured.
+
+Two devices are emulated by default on machines with >= 2 cores (``bench_cluster.local_cluster``):
+the Ray draft node on its own cores, and everything colocated (in-process specserve, transformers,
+vLLM) confined to the target node's cores. vLLM runs under the interpreter ``--vllm-python`` names
+(``$SPECSERVE_VLLM_PYTHON``, else this one when it has vLLM), through ``vllm_worker.py``.
+
+    python -m benchmarks.bench_systems                    # demo, realistic and sim; batch 1, 8, 32; 3 repeats (40-60 min on 2 cores)
+    python -m benchmarks.bench_systems --quick            # every system, tiny sizes (~5 min on 2 cores)
+    python -m benchmarks.bench_systems --scenarios sim --batch-sizes 1,8,32 --requests-per-slot 8 \\
+        --no-hf --no-vllm                                 # the simulated Spark + 5090 alone (~15 min)
+    python -m benchmarks.bench_systems --from-json bench_out/results.json --out bench_out/redrawn   # redraw only
 """
 
 from __future__ import annotations
@@ -45,40 +60,45 @@ def _list(text: str, cast=str) -> list:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from benchmarks.cli import parser
     from benchmarks.systems import default_vllm_python
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser("benchmarks.bench_systems", __doc__)
     p.add_argument("--quick", action="store_true", help="tiny sizes: every system once, to prove the harness end to end")
-    p.add_argument("--scenarios", help=f"demo, realistic, sim, custom (--target/--draft) [{FULL['scenarios']}]")
-    p.add_argument("--batch-sizes", help=f"concurrent requests per wave [{FULL['batch_sizes']}]")
-    p.add_argument("--ks", help=f"in-process specserve k sweep [{FULL['ks']}]")
-    p.add_argument("--k", type=int, help=f"k of the Ray, transformers, vLLM and colocated systems [{FULL['k']}]")
-    p.add_argument("--delays-ms", help=f"emulated one-way link delays for Ray, model pairs [{FULL['delays_ms']}]")
-    p.add_argument("--links", help=f"link profiles for Ray, sim scenario [{FULL['links']}]")
-    p.add_argument("--num-prompts", type=int, help=f"prompts per run at batch 1 (batch B runs max(B, this)) [{FULL['num_prompts']}]")
-    p.add_argument("--prompt-tokens", type=int, help=f"prompt length in tokens [{FULL['prompt_tokens']}]")
-    p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt [{FULL['max_tokens']}]")
-    p.add_argument("--repeats", type=int, help=f"timed repeats per system and batch size [{FULL['repeats']}]")
-    p.add_argument("--sim-time-scale", type=float, help=f"sim: multiply every modelled time by this [{FULL['sim_time_scale']}]")
-    p.add_argument("--sim-acceptance", type=float, default=0.8, help="sim: the draft's per-token greedy acceptance [0.8]")
-    p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py (default: built into --out)")
+    p.add_argument("--scenarios", help=f"comma-separated: demo, realistic, sim, custom (--target/--draft); default {FULL['scenarios']}")
+    p.add_argument("--batch-sizes", help=f"requests in flight, comma-separated; default {FULL['batch_sizes']} (--quick: {QUICK['batch_sizes']})")
+    p.add_argument("--ks", help=f"k of the in-process specserve sweep; default {FULL['ks']} (--quick: {QUICK['ks']})")
+    p.add_argument("--k", type=int, help=f"k of the Ray, transformers, vLLM and colocated systems; default {FULL['k']}")
+    p.add_argument("--delays-ms", help=f"emulated one-way link delays for Ray on model pairs; default {FULL['delays_ms']} (--quick: {QUICK['delays_ms']})")
+    p.add_argument("--links", help=f"link profiles for Ray in the sim scenario (specserve/backends/sim_profiles/links.yaml); "
+                                   f"default {FULL['links']} (--quick: {QUICK['links']})")
+    p.add_argument("--num-prompts", type=int, help=f"prompts per run at batch 1; default {FULL['num_prompts']} (--quick: {QUICK['num_prompts']})")
+    p.add_argument("--prompt-tokens", type=int, help=f"prompt length in tokens; default {FULL['prompt_tokens']} (--quick: {QUICK['prompt_tokens']})")
+    p.add_argument("--max-tokens", type=int, help=f"tokens generated per prompt; default {FULL['max_tokens']} (--quick: {QUICK['max_tokens']})")
+    p.add_argument("--repeats", type=int, help=f"timed repeats per system and batch size; default {FULL['repeats']} (--quick: {QUICK['repeats']})")
+    p.add_argument("--sim-time-scale", type=float, help=f"sim: multiply every modelled time and link delay by this; "
+                                                        f"default {FULL['sim_time_scale']} (--quick: {QUICK['sim_time_scale']})")
+    p.add_argument("--sim-acceptance", type=float, default=0.8, help="sim: the draft's per-token greedy acceptance")
+    p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py; default: built into --out")
     p.add_argument("--target", help="custom scenario: target model directory")
     p.add_argument("--draft", help="custom scenario: draft model directory")
-    p.add_argument("--dtype", default="float32", help="dtype of every real model [float32]")
-    p.add_argument("--side-cpus", type=float, default=0.25, help="Ray: logical CPUs reserved per side [0.25]")
+    p.add_argument("--dtype", default="float32", help="dtype of every real model")
+    p.add_argument("--side-cpus", type=float, default=0.25, help="Ray: logical CPUs reserved per side")
     p.add_argument("--no-ray", dest="ray", action="store_false", help="skip the two-node Ray systems")
     p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
-                   help="sustained: B requests in flight over max(prompts, R x B) prompts (serving); wave: waves of exactly B [sustained]")
+                   help="sustained: B requests in flight over max(prompts, R x B) prompts (serving); wave: waves of exactly B (a batch job)")
     p.add_argument("--requests-per-slot", type=int, default=3,
-                   help="sustained: R, the prompts per slot of the window; more make the draining tail a smaller share [3]")
+                   help="sustained: R, the prompts per slot of the window; more make the draining tail a smaller share")
     p.add_argument("--shared-cores", action="store_true",
-                   help="no device emulation: both Ray nodes and the colocated systems on every core (the old mode)")
+                   help="no device emulation: both Ray nodes and the colocated systems on every core")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers assisted generation")
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="skip vLLM")
-    p.add_argument("--vllm-python", default=default_vllm_python(), help="a Python with vLLM [env SPECSERVE_VLLM_PYTHON, /work/venv-vllm, or this one if it has vLLM]")
-    p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, help="vLLM without torch.compile [quick: yes, full: no]")
-    p.add_argument("--vllm-max-model-len", type=int, default=512, help="vLLM max_model_len [512, the demo pair's context]")
-    p.add_argument("--out", default="bench_out", help="folder for tables.md, results.json, the plots [bench_out]")
+    p.add_argument("--vllm-python", default=default_vllm_python(),
+                   help="a Python with vLLM, for the vLLM rows; default $SPECSERVE_VLLM_PYTHON, else this one if it has vLLM "
+                        "(here: %(default)s)")
+    p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, help="vLLM without torch.compile; default: yes with --quick, else no")
+    p.add_argument("--vllm-max-model-len", type=int, default=512, help="vLLM's max_model_len (the demo pair's context)")
+    p.add_argument("--out", default="bench_out", help="folder for tables.md, results.json and the plots")
     p.add_argument("--from-json", help="measure nothing: redraw tables and plots from a results.json (or .json.gz) into --out")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
@@ -180,7 +200,10 @@ def main(argv=None) -> dict:
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     num_prompts = max(args.batch_sizes + [args.num_prompts]) * (args.requests_per_slot if args.load == "sustained" else 1)
+    from benchmarks.cli import header
+
     meta = {k: v for k, v in vars(args).items() if k != "from_json"}
+    meta["header"] = header("benchmarks.bench_systems", argv)
     meta.update(cpu_count=os.cpu_count(), torch=torch.__version__, transformers=transformers.__version__,
                 started=time.strftime("%Y-%m-%d %H:%M:%S"))
     results = {"meta": meta, "scenarios": [], "records": [], "skipped": []}

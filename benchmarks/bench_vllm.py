@@ -1,54 +1,51 @@
-"""vLLM side by side in the two-device harness: target-only, colocated draft model, specserve's remote draft.
+"""How fast is specserve against vLLM on the same target, with the draft on a device of its own?
 
-Every system of a pair is loaded once on one local two-node Ray cluster whose nodes are pinned
-to disjoint core sets (``bench_cluster.local_cluster``: the target node is the "DGX Spark", the
-draft node the "RTX 5090"; ``--shared-cores`` is the old mode, both nodes on every core):
+vLLM target-only, vLLM's colocated draft model and specserve's remote draft, side by side in the
+two-device harness (``bench_cluster.local_cluster``: one local Ray node per emulated device, each on
+cores of its own; the target node stands for the big box, the draft node for the small one):
 
 - ``vllm target-only``: ``vllm.LLM`` in an actor on the target node, its engine in the actor's own
-  process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as specserve's vLLM target runs it): on one core per
-  device vLLM's default, an engine-core process beside the caller, ran 1.2-1.55x slower here (each
-  step's inputs and outputs cross processes that share the core). ``--vllm-multiprocessing`` is that
-  default, for comparison.
-- ``vllm colocated k=K``: the same with vLLM's ``draft_model`` speculation: the draft shares the
-  target's cores, as it would speculating on the big box alone (the peer to beat).
-- ``specserve d=Xms``: specserve with a vLLM target (``RemoteDraftProposer``) on the target node
-  and a transformers draft on the draft node, all defaults (adaptive k <= K, ``draft_ahead``
-  auto), an emulated one-way link delay of X ms.
-- ``specserve k=K fixed``: adaptive off; ``specserve no-ahead``: drafting ahead off; ``specserve eager draft``:
-  the draft's forward not compiled (``draft_compile=False``) (all three at 0 ms);
-  ``specserve target-only``: specserve's engine loop over the same vLLM target, no draft (what the
-  loop itself costs against vLLM's own ``generate``).
+  process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as specserve's vLLM target runs it). vLLM's default,
+  an engine-core process beside the caller, would hand each step's inputs and outputs between two
+  processes on the same core; ``--vllm-multiprocessing`` runs that default for comparison.
+- ``vllm colocated k=K``: the same with vLLM's ``draft_model`` speculation, the draft sharing the
+  target's cores, as it would speculating on the big box alone: the peer to beat.
+- ``specserve d=Xms``: specserve with a vLLM target (``RemoteDraftProposer``) on the target node and
+  a transformers draft on the draft node, all defaults (adaptive k <= K, ``draft_ahead`` auto), with
+  an emulated one-way link delay of X ms.
+- ``specserve own engine``: the same remote draft fed by specserve's own transformers engine.
+- ``specserve k=K fixed`` (adaptive off), ``specserve no-ahead`` (drafting ahead off), ``specserve
+  eager draft`` (``draft_compile=False``), ``specserve target-only`` (specserve's loop over the same
+  vLLM target, no draft: what the loop itself costs), all at 0 ms; left out by ``--quick``.
 
-Load: ``sustained`` (default) keeps B requests in flight over max(prompts, 3 B) prompts, a new
-one starting as soon as one finishes: serving at concurrency B. ``wave`` sends the prompts in
-waves of exactly B and waits for each wave: a batch job's latency, where speculation also pays
-for the wave waiting on its slowest request while the batch shrinks. For each batch size every
-system is warmed up by one whole untimed run, then the repeats run round-robin with the order rotating, so a noisy
-moment hits all alike. Per row: tokens/s (median, min-max), the ratio to vLLM colocated and to
-vLLM target-only, acceptance, tokens per step, the per-step split (verify, draft wait, link,
-specserve's own overhead), the cache-hit rate, whether every output equals vLLM target-only's
-token for token, and the ideal two-device ratio: colocated step time / (verify + link), where
-verify is this system's own step with the wait for the draft's compute taken out (both step
-times are wall time per engine step, scheduling and request handling included): what a draft
-hidden completely behind verification would give at the same tokens per step, with the
-fraction of it reached; and each speculative row's ratio to the better vLLM row round by round (the
-runs of one round are back to back, so the box's slow drift moves it less than it moves the medians): median, range and how many
-rounds were at or above 1.0. Every vLLM engine runs without stat logging (vLLM's offline default; specserve's
-vLLM target too), so vLLM's colocated row has no acceptance unless ``--vllm-stats``. Tables to stdout and ``--out``/tables.md,
-everything to results.json, a plot to speedup_vs_batch.png.
+Load: ``sustained`` (default) keeps B requests in flight over max(prompts, 3 B) prompts, a new one
+starting as soon as one finishes: serving at concurrency B. ``wave`` sends waves of exactly B and
+waits for each: a batch job, where speculation also pays for the wave waiting on its slowest request.
+For each batch size every system is warmed up by one whole untimed run, then the repeats run
+round-robin with the order rotating, so a slow moment of the machine hits all systems alike.
+
+Per row: tokens/s (median, min-max); the ratio to vLLM colocated and to vLLM target-only;
+acceptance; tokens per step; the per-step split (verify, draft wait, link, specserve's own
+overhead); the cache-hit rate; whether every output equals vLLM target-only's token for token; the
+ideal two-device ratio, colocated step time / (verify + link), where verify is this system's own
+step with the draft's compute taken out (what a draft hidden completely behind verification would
+give at the same tokens per step), and the fraction of it reached; and each speculative row's ratio
+to the better vLLM row round by round (median, range, rounds at or above 1.0): the runs of a round
+are back to back, so the machine's drift moves that ratio less than the medians'. vLLM runs without
+stat logging (its offline default, as specserve's vLLM target), so vLLM's colocated row has no
+acceptance unless ``--vllm-stats``. Writes ``--out``/tables.md (also printed), results.json and
+speedup_vs_batch.png.
 
     python -m benchmarks.bench_vllm                          # demo and realistic pairs, batch 1, 8, 32 (~1 h on 2 cores)
-    python -m benchmarks.bench_vllm --quick                  # tiny sizes, every system once (~10 min)
+    python -m benchmarks.bench_vllm --quick                  # tiny sizes, fewer systems (~10 min on 2 cores)
+    python -m benchmarks.bench_vllm --pairs demo --batch-sizes 1,8,32 --delays-ms 0 --repeats 5 \\
+        --systems "vllm target-only,vllm colocated k=4,specserve d=0ms"     # the headline rows only
+    python -m benchmarks.bench_vllm --pairs demo-eagle       # the demo target's EAGLE-3 head against vLLM's colocated EAGLE-3
     python -m benchmarks.bench_vllm --from-json R/results.json --out R2   # R's tables again, measuring nothing
-    python -m benchmarks.bench_vllm --pairs demo-eagle       # the demo target's EAGLE-3 head: vLLM's colocated EAGLE-3
-                                                             # vs the head on the draft node fed by specserve's engine
-                                                             # (drafting ahead, and ``specserve head no-ahead`` without),
-                                                             # and the head beside a vLLM target (``specserve vllm target + head``)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -56,6 +53,7 @@ import time
 from pathlib import Path
 
 from .bench_cluster import ROLE, THREAD_ENV, local_cluster
+from .cli import header, parser
 from .scenarios import heldout_prompts, load_example
 
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -190,8 +188,7 @@ def own_engine_timing(tm: dict) -> dict:
     """specserve's own engine's timing (``EngineCore.metrics``) under the vLLM target's names, in place:
     ``verify_s`` its verify forwards, ``specserve_s`` the rest of its wall time that is neither a
     target forward (prefills are forwards too, inside vLLM's step on the vLLM target) nor the wait
-    for the draft (its forwards and the link). Before 2026-11-29 the prefills were counted as
-    overhead here: 1.8 ms a step at batch 8 where the engine's loop took 0.4 ms."""
+    for the draft (its forwards and the link)."""
     tm["verify_s"] = tm["target_forward_s"]
     tm["specserve_s"] = tm["wall_s"] - tm["target_forward_s"] - tm.get("prefill_s", 0.0) - tm["draft_wait_s"]
     return tm
@@ -207,8 +204,8 @@ def systems(args, target: str, draft: str, head: bool = False) -> dict[str, call
     colocated row is its EAGLE-3; specserve's rows run specserve's engine, which sends the head the
     target's rows, and the same engine target-only)."""
     options = {"enforce_eager": not args.compiled, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
-    # vLLM's offline default: no stat logging (it costs its engine ~10% of a batch-8 step here); specserve's vLLM
-    # target runs without it too. --vllm-stats turns it on in vLLM's rows, for the colocated row's acceptance.
+    # vLLM's offline default: no stat logging, which costs its engine per token; specserve's vLLM target runs
+    # without it too. --vllm-stats turns it on in vLLM's rows, for the colocated row's acceptance.
     plain = {"model": target, "dtype": "float32", "seed": 0, "disable_log_stats": not args.vllm_stats, **options}
     k = args.k
     mp = {"multiprocessing": args.vllm_multiprocessing}
@@ -332,7 +329,7 @@ def per_round_ratios(group: list[dict], k: int) -> dict[str, list[float]]:
     """Per system, its tok/s over the better vLLM row's in each round (one pair and batch size).
 
     A round is one repeat: every system once, back to back, so the ratio of a round compares runs
-    minutes apart at most, where medians over the whole batch size compare runs the box's drift
+    minutes apart at most, where medians over the whole batch size compare runs the machine's drift
     can separate. Rounds missing a system or both vLLM rows are left out."""
     vllm = ("vllm target-only", f"vllm colocated k={k}")
     tps = {(r["system"], r["repeat"]): tok_s(r) for r in group}
@@ -415,38 +412,39 @@ def _from_json(path: Path, out: Path) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes: the demo pair, batch 1 and 8, one repeat, fewer systems")
-    p.add_argument("--pairs", default=None, help="demo, realistic, demo-eagle (the demo target and its EAGLE-3 head) "
-                                                 "[demo,realistic; quick: demo]")
-    p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py (default: built into --out)")
-    p.add_argument("--batch-sizes", default=None, help="concurrent requests per wave [1,8,32; quick: 1,8]")
-    p.add_argument("--delays-ms", default=None, help="emulated one-way link delays for specserve [0,1,5; quick: 0]")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run at batch 1 (batch B runs max(B, this)) [8]")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per prompt [64; quick: 24]")
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative system [4]")
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per row; the table shows the median [3; quick: 1]")
-    p.add_argument("--vllm-stats", action="store_true", help="stat logging in vLLM's own rows (their acceptance; "
-                   "default: off, vLLM's offline default, as specserve's vLLM target runs)")
-    p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (default: eager, fast starts)")
-    p.add_argument("--shared-cores", action="store_true", help="the old mode: both Ray nodes on every core (no device emulation)")
+    p = parser("benchmarks.bench_vllm", __doc__)
+    p.add_argument("--quick", action="store_true", help="tiny sizes: the demo pair, batch 1 and 8, 24 tokens, one repeat, fewer systems")
+    p.add_argument("--pairs", default=None, help="comma-separated: demo, realistic (a target step ~22x a draft step), demo-eagle "
+                                                 "(the demo target and its EAGLE-3 head); default demo,realistic (--quick: demo)")
+    p.add_argument("--realistic-pair", help="directory made by examples/make_realistic_pair.py; default: built into --out")
+    p.add_argument("--batch-sizes", default=None, help="requests in flight, comma-separated; default 1,8,32 (--quick: 1,8)")
+    p.add_argument("--delays-ms", default=None, help="emulated one-way link delays for specserve, comma-separated; default 0,1,5 (--quick: 0)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per run at batch 1 (batch B runs max(3 B, this))")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (held-out text the demo pair never saw)")
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens generated per prompt; default 64 (--quick: 24)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative system")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per row, the table gives their median; default 3 (--quick: 1)")
+    p.add_argument("--vllm-stats", action="store_true", help="stat logging in vLLM's own rows, for their acceptance "
+                   "(by default off: vLLM's offline default, and how specserve's vLLM target runs)")
+    p.add_argument("--compiled", action="store_true", help="torch.compile in every vLLM engine (by default eager: faster starts)")
+    p.add_argument("--shared-cores", action="store_true", help="no device emulation: both Ray nodes on every core")
     p.add_argument("--head", choices=("target", "draft"), default="target",
-                   help="which box is Ray's head node (its control plane, Serve's controller) [target, as the cluster YAMLs]")
+                   help="which emulated device is Ray's head node (its control plane, Serve's controller), as in the cluster YAMLs")
     p.add_argument("--vllm-multiprocessing", action="store_true",
-                   help="vLLM's own systems with vLLM's default engine-core process (default: in the actor's process, as specserve's target)")
+                   help="vLLM's own systems with vLLM's default engine-core process (by default in the actor's process, as specserve's target)")
     p.add_argument("--load", choices=("sustained", "wave"), default="sustained",
-                   help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B [sustained]")
-    p.add_argument("--systems", default=None, help="only these systems, comma-separated names as the table shows them")
-    p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json, the plot [bench_out/vllm]")
+                   help="sustained: B requests in flight over max(prompts, 3 B) prompts (serving); wave: waves of exactly B (a batch job)")
+    p.add_argument("--systems", default=None, help="only these systems, comma-separated, named as the table names them; default: all")
+    p.add_argument("--out", default="bench_out/vllm", help="folder for tables.md, results.json and the plot")
     p.add_argument("--from-json", metavar="RESULTS", help="measure nothing: the tables and plot again from an earlier run's "
-                   "results.json (its records; gzipped too, as benchmarks/results keeps them), into --out")
+                   "results.json (or .json.gz), into --out")
     args = p.parse_args(argv)
     if args.from_json:
         try:
             return _from_json(Path(args.from_json), Path(args.out))
         except (OSError, ValueError, KeyError, TypeError) as exc:  # not a bench_vllm results.json
             p.error(f"--from-json {args.from_json}: not a results.json this benchmark wrote ({type(exc).__name__}: {exc})")
+    title = header("benchmarks.bench_vllm", argv)
     q = args.quick
     args.pairs = (args.pairs or ("demo" if q else "demo,realistic")).split(",")
     args.batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if q else "1,8,32")).split(",")]
@@ -486,7 +484,7 @@ def main(argv=None) -> dict:
         for name, (target, draft) in pairs.items():
             records += bench_pair(name, target, draft, args, log)
     rows = summarize(records, args.k)
-    text = (f"vLLM side by side, {'shared cores' if args.shared_cores else 'two-device harness'} "
+    text = (title + "\n\n" + f"vLLM side by side, {'shared cores' if args.shared_cores else 'two-device harness'} "
             f"(target cores {cores['target']}, draft cores {cores['draft']}, Ray's head on the {args.head}'s); greedy, k<={args.k}, "
             f"{args.load} load: " + (f"B requests in flight over max({args.num_prompts}, 3 B) prompts" if args.load == "sustained"
                                      else f"waves of B over max(B, {args.num_prompts}) prompts")
@@ -496,7 +494,7 @@ def main(argv=None) -> dict:
             + "\n\n"
             + table(rows))
     _report(out, text, rows)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "cores": cores, "wall_s": time.time() - started,
+    (out / "results.json").write_text(json.dumps({"header": title, "args": vars(args), "cores": cores, "wall_s": time.time() - started,
                                                   "summary": rows, "records": records}, indent=1))
     log(f"wrote {out / 'tables.md'}, {out / 'results.json'}, {out / 'speedup_vs_batch.png'}")
     return {"summary": rows, "records": records}

@@ -190,6 +190,7 @@ def distance_section(rows: list[dict], sim: bool) -> str:
 def markdown(results: dict) -> str:
     meta, rows = results["meta"], results["summary"]
     parts = [f"# specserve systems benchmark ({meta['started']}{', QUICK: tiny sizes, noisy' if meta['quick'] else ''})",
+             *([meta["header"]] if meta.get("header") else []),
              f"{meta['cpu_count']} CPUs, torch threads 1 everywhere, greedy (temperature 0, ignore_eos), prompts of "
              f"{meta['prompt_tokens']} tokens, {meta['max_tokens']} new tokens each, batch B = "
              + ("waves of B concurrent requests; " if meta.get("load", "wave") == "wave" else

@@ -178,11 +178,10 @@ class HFRunner:
 
 
 def default_vllm_python() -> str | None:
-    """$SPECSERVE_VLLM_PYTHON, else a vLLM venv at /work/venv-vllm, else this Python if it has vLLM
-    (the README's test install); the worker runs in a process of its own either way."""
-    for candidate in (os.environ.get("SPECSERVE_VLLM_PYTHON"), "/work/venv-vllm/bin/python"):
-        if candidate and Path(candidate).exists():
-            return candidate
+    """``$SPECSERVE_VLLM_PYTHON`` (a virtual environment of vLLM's own, which may pin other torch and
+    transformers versions), else this Python if it has vLLM; the worker runs in a process of its own either way."""
+    if os.environ.get("SPECSERVE_VLLM_PYTHON"):
+        return os.environ["SPECSERVE_VLLM_PYTHON"]
     import importlib.util
 
     return sys.executable if importlib.util.find_spec("vllm") is not None else None

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, for a lent CUDA machine: `tests/gpu`, then `benchmarks.bench_gpu`
+# The GPU checks in one go, on a CUDA machine: `tests/gpu`, then `benchmarks.bench_gpu`
 # (specserve's own engine, target-only and with an in-process draft). Each part has its own time limit,
 # so a hang in one still leaves the other's results. Logs and the benchmark's table go to OUTDIR.
 #

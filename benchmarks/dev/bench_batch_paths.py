@@ -7,25 +7,26 @@ processor, ``batch_size`` = the concurrency), (2) ``specserve.connect(...).gener
 requests in flight, in turn, ``--repeats`` rounds; prints medians of tokens/s and the ratios,
 and checks that every path returned the same tokens.
 
-    python -m benchmarks.bench_batch_paths [--prompts 256] [--concurrency 16] [--max-tokens 16]
+    python -m benchmarks.dev.bench_batch_paths [--prompts 256] [--concurrency 16] [--max-tokens 16]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
 
+from benchmarks.cli import parser
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--port", type=int, default=8123)
-    args = parser.parse_args(argv)
+    p = parser("benchmarks.dev.bench_batch_paths", __doc__)
+    p.add_argument("--prompts", type=int, default=256, help="prompts per path and round")
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight on every path")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="rounds, every path once a round")
+    p.add_argument("--port", type=int, default=8123, help="Serve's HTTP port")
+    args = p.parse_args(argv)
 
     import openai
     import ray

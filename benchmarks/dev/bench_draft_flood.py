@@ -7,12 +7,11 @@ limit, half a frame, or nothing), each back half a second after it is dropped. R
 (quiet, flooded, ...), the strangers in a process of their own, and the table gives medians and the ratio; every run's greedy output is
 checked against the first quiet run's.
 
-    python -m benchmarks.bench_draft_flood [--strangers 200] [--repeats 3] [--out bench_out/flood]
+    python -m benchmarks.dev.bench_draft_flood [--strangers 200] [--repeats 3] [--out bench_out/flood]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -20,6 +19,8 @@ import socket
 import statistics
 import threading
 import time
+
+from benchmarks.cli import parser
 
 FLOOD_KINDS = ("http", "huge frame", "half frame", "silent")
 RECONNECT_S = 0.5  # a dropped stranger is back this soon: ~200 connections open at any time
@@ -63,13 +64,13 @@ def _flood(address: str, strangers: int, stop, counter) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strangers", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", default="bench_out/flood")
-    args = parser.parse_args(argv)
+    p = parser("benchmarks.dev.bench_draft_flood", __doc__)
+    p.add_argument("--strangers", type=int, default=200, help="unauthenticated connections kept arriving in the flooded runs")
+    p.add_argument("--repeats", type=int, default=3, help="pairs of runs, quiet then flooded")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per run")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--out", default="bench_out/flood", help="folder for the results")
+    args = p.parse_args(argv)
 
     import torch
 

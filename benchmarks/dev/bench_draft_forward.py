@@ -9,20 +9,21 @@ trees (one depth of the speculation cache, sequences x lanes rows). One torch th
 current affinity, as the draft runs in the two-device harness. A draft head (EAGLE, MTP) loads as its
 drafter does (``HeadBackend``, beside ``--target``) and gets zero rows in place of the target's.
 
-    taskset -c 1 python -m benchmarks.bench_draft_forward                  # the demo draft
-    taskset -c 1 python -m benchmarks.bench_draft_forward --model demo:eagle   # the demo target's EAGLE-3 head
-    taskset -c 1 python -m benchmarks.bench_draft_forward --model path/to/draft --out results/x
+    taskset -c 1 python -m benchmarks.dev.bench_draft_forward                  # the demo draft
+    taskset -c 1 python -m benchmarks.dev.bench_draft_forward --model demo:eagle   # the demo target's EAGLE-3 head
+    taskset -c 1 python -m benchmarks.dev.bench_draft_forward --model path/to/draft --out bench_out/x
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.cli import parser
 
 SHAPES = [  # (label, batch, kind, width or lanes)
     ("prompt, 40 tokens", 1, "feed", 40),
@@ -61,11 +62,11 @@ def _loader(model: str, target: str):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo:draft", help="draft model directory, or a draft head's [demo:draft]")
-    p.add_argument("--target", default="demo:target", help="a draft head's target (its shared tensors) [demo:target]")
-    p.add_argument("--repeats", type=int, default=200, help="timed calls per shape and backend [200]")
-    p.add_argument("--out", default="benchmarks/results/draft_forward", help="directory for tables.md, results.json, plot")
+    p = parser("benchmarks.dev.bench_draft_forward", __doc__)
+    p.add_argument("--model", default="demo:draft", help="draft model directory, or a draft head's")
+    p.add_argument("--target", default="demo:target", help="a draft head's target (its shared tensors)")
+    p.add_argument("--repeats", type=int, default=200, help="timed calls per shape and backend")
+    p.add_argument("--out", default="bench_out/draft_forward", help="folder for tables.md, results.json and the plot")
     args = p.parse_args(argv)
 
     from specserve.config import resolve_model
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
     eager, compiled = load(), load()
     started = time.perf_counter()
     if not compiled.compile():
-        raise SystemExit("the model did not compile here (see the warning above): nothing to compare")
+        raise SystemExit("the model did not compile (see the warning above): nothing to compare")
     compile_s = time.perf_counter() - started
     ids = [f"s{i}" for i in range(max(b for _, b, _, _ in SHAPES))]
     rows = []

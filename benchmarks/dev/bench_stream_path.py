@@ -8,12 +8,11 @@ authenticated streams (the router's ``open_stream``) and reads every delta. Per 
 replica process's CPU seconds (user + system, ``resource.getrusage``) per delta, and the wall
 time per step. One table to stdout, results to ``--out``/stream_path.json.
 
-    python -m benchmarks.bench_stream_path [--streams 32] [--tokens 300] [--step-ms 2] [--repeats 3]
+    python -m benchmarks.dev.bench_stream_path [--streams 32] [--tokens 300] [--step-ms 2] [--repeats 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing as mp
@@ -22,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.cli import parser
 from specserve.engine import EngineLoop, StepResult
 from specserve.outputs import StepDelta
 from specserve.serve.streams import StreamServer, open_stream
@@ -80,12 +80,12 @@ def _client(address: str, streams: int, tokens: int, results) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--streams", type=int, default=32, help="concurrent streams (the router's requests) [32]")
-    p.add_argument("--tokens", type=int, default=300, help="tokens per stream [300]")
-    p.add_argument("--step-ms", type=float, default=2.0, help="each step's stand-in forward, a sleep [2]")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="bench_stream_path_out")
+    p = parser("benchmarks.dev.bench_stream_path", __doc__)
+    p.add_argument("--streams", type=int, default=32, help="concurrent streams (the router's requests)")
+    p.add_argument("--tokens", type=int, default=300, help="tokens per stream")
+    p.add_argument("--step-ms", type=float, default=2.0, help="each step's stand-in forward, a sleep")
+    p.add_argument("--repeats", type=int, default=3, help="runs, each with a fresh client process")
+    p.add_argument("--out", default="bench_out/stream_path", help="folder for stream_path.json")
     args = p.parse_args(argv)
 
     loop = EngineLoop(TokenPerStepCore(args.tokens, args.step_ms / 1e3))

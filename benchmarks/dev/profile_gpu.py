@@ -1,7 +1,7 @@
 """Where one decode step's time goes on a GPU: the model alone, the transformers backend, the engine.
 
-For a lent GPU machine (``bench_gpu.py`` measures throughput; this finds the host-side cost behind it).
-Builds ``bench_gpu``'s random Llama target, then at each batch size B, one token per sequence per step:
+``bench_gpu`` measures throughput; this finds the host-side cost behind it. Builds ``bench_gpu``'s random
+Llama target, then at each batch size B, one token per sequence per step:
 
 - ``hf DynamicCache``: the model's own forward with transformers' cache, synchronised every step: the floor
   any backend on this model pays (with the attention kernels specserve allows, and with all of them);
@@ -14,17 +14,17 @@ the backend's host-side ops (self CPU time, device syncs and copies per step) an
 engine's thread (when py-spy is installed). Writes ``--out``/profile.txt. ``--threads`` repeats the
 backend rows with that many torch CPU threads; ``--attn sdpa,eager`` compares attention implementations.
 
-    python -m benchmarks.profile_gpu [--batch-sizes 1,32] [--steps 40] [--device cuda]
+    python -m benchmarks.dev.profile_gpu [--batch-sizes 1,32] [--steps 40] [--device cuda]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
 from benchmarks.bench_gpu import add_pair_args, build_pair
+from benchmarks.cli import parser
 
 
 def _sync(device: str) -> None:
@@ -172,16 +172,16 @@ def engine_step_ms(target: str, batch: int, prompt: int, tokens: int, device: st
     return step_ms, split, table
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-sizes", default="1,32")
-    p.add_argument("--steps", type=int, default=40)
+def main(argv=None) -> None:
+    p = parser("benchmarks.dev.profile_gpu", __doc__)
+    p.add_argument("--batch-sizes", default="1,32", help="sequences per step, comma-separated")
+    p.add_argument("--steps", type=int, default=40, help="timed decode steps per row")
     add_pair_args(p)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="torch device")
     p.add_argument("--threads", default="", help="also run the backend rows with these torch thread counts, e.g. 1,4")
     p.add_argument("--attn", default="sdpa", help="attention implementations to compare for the backend rows, e.g. sdpa,eager")
-    p.add_argument("--out", default="profile_gpu")
-    args = p.parse_args()
+    p.add_argument("--out", default="bench_out/profile_gpu", help="folder for profile.txt")
+    args = p.parse_args(argv)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -190,7 +190,7 @@ def main() -> None:
     from specserve.backends.hf import HFBackend
 
     dtype = getattr(torch, args.dtype)
-    target, _ = build_pair(Path(args.models), args.hidden, args.layers, args.vocab, dtype, args.middle_scale)
+    target, _ = build_pair(Path(args.models or Path(args.out) / "pair"), args.hidden, args.layers, args.vocab, dtype, args.middle_scale)
     lines = [f"device {torch.cuda.get_device_name(0) if args.device.startswith('cuda') else args.device}, torch "
              f"{torch.__version__}, {torch.get_num_threads()} CPU threads; target {args.layers} x {args.hidden}, {args.dtype}"]
     out = Path(args.out)

@@ -34,10 +34,9 @@ DTYPES = {
 
 
 # Attention kernels a CUDA forward may use. cuDNN's is left out: PyTorch builds a cuDNN graph for
-# each new key length, and a decode step has a new one every step. On an H100 (torch 2.11, bf16,
-# 16 layers x 2048) that cost ~2.3 ms of host time per layer per step and slowed the engine's
-# step 1.7-3.2x (benchmarks/profile_gpu.py). The others need no plan per shape. Empty: every
-# kernel PyTorch offers (what profile_gpu compares against).
+# each new key length, and a decode step has a new one every step, so every step would pay for a
+# plan on the host (benchmarks/dev/profile_gpu.py compares). The others need no plan per shape.
+# Empty: every kernel PyTorch offers.
 CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -131,9 +130,8 @@ class HFBackend:
         drafter sends, so no request waits for a compilation; False, eager kept, when it cannot
         (no C++ compiler for a CPU build, an architecture dynamo cannot trace).
 
-        A small model's forward is mostly per-call cost (transformers' wrappers, one dispatch per op):
-        the demo draft's on one CPU core runs 1.1-1.5x faster per call compiled, most at one
-        sequence (benchmarks/bench_draft_forward.py)."""
+        A small model's forward is mostly per-call cost (transformers' wrappers, one dispatch per op),
+        which compiling removes, most at one sequence (benchmarks/dev/bench_draft_forward.py)."""
         import torch._dynamo
 
         eager = self.model

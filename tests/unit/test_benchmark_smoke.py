@@ -66,7 +66,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
 
 
 def test_stream_path_bench_streams_every_delta(tmp_path, capsys):
-    from benchmarks.bench_stream_path import main as stream_path
+    from benchmarks.dev.bench_stream_path import main as stream_path
 
     assert stream_path(["--streams", "4", "--tokens", "20", "--step-ms", "0.5", "--repeats", "1", "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "stream_path.json").read_text())["rows"]
