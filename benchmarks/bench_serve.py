@@ -308,7 +308,7 @@ def main(argv=None) -> int:
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per server and level: medians over its rounds (the round with the median rate gives the CPU
     columns), requests summed, and its rate against the better vLLM server's, overall (medians) and round
-    by round (each round's runs are back to back, so the box's drift moves them alike)."""
+    by round (each round's runs are back to back, so the machine's drift moves them alike)."""
     out = []
     for name, c in dict.fromkeys((r["server"], r["concurrency"]) for r in rows):
         mine = sorted((r for r in rows if r["server"] == name and r["concurrency"] == c), key=lambda r: r["output_tok_s"])

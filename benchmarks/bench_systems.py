@@ -28,7 +28,7 @@ vLLM) confined to the target node's cores. vLLM runs under the interpreter ``--v
     python -m benchmarks.bench_systems                    # demo, realistic and sim; batch 1, 8, 32; 3 repeats (40-60 min on 2 cores)
     python -m benchmarks.bench_systems --quick            # every system, tiny sizes (~5 min on 2 cores)
     python -m benchmarks.bench_systems --scenarios sim --batch-sizes 1,8,32 --requests-per-slot 8 \\
-        --no-hf --no-vllm                                 # the simulated Spark + 5090 alone (~15 min)
+        --no-hf --no-vllm                                 # the simulated Spark + 5090 alone (~25 min)
     python -m benchmarks.bench_systems --from-json bench_out/results.json --out bench_out/redrawn   # redraw only
 """
 

@@ -158,7 +158,7 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
 
 
 def logits_of(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq, vocab] float32 logits, forward in bf16 autocast (2x faster on CPU)."""
+    """[batch, seq, vocab] float32 logits, forward in bf16 autocast (faster on CPU)."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
         return model(input_ids=input_ids).logits.float()
 
@@ -222,7 +222,8 @@ def train_target(model, stream, eval_set, args):
 def init_draft_embeddings(draft: LlamaForCausalLM, target: LlamaForCausalLM) -> None:
     """Start the draft's (tied) embeddings at the target's, projected on their top principal axes.
 
-    In a 200-step trial this doubled held-out draft/target top-1 agreement (0.32 -> 0.52).
+    This starts the draft far closer to the target than a random embedding does (the draft's model
+    card gives the trial's numbers).
     """
     emb = target.get_input_embeddings().weight.float()  # [vocab, target_hidden]
     centered = emb - emb.mean(0)

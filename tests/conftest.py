@@ -16,11 +16,11 @@ torch.set_num_threads(1)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Drafts run eager here: compiling each test's draft (~15 s on these cores) would multiply the suite's
+# Drafts run eager here: compiling each test's draft (seconds on a small CPU) would multiply the suite's
 # time, and a draft's speed never changes an output. tests/unit/test_draft_compile.py covers the compiled default.
 os.environ.setdefault("SPECSERVE_DRAFT_COMPILE", "false")
 # Targets run specserve's own engine unless a test names vLLM: with vLLM installed the default (auto) would start
-# a vLLM engine (~60 s on these cores) for every test. tests/vllm covers the vLLM target, the default's choice included.
+# a vLLM engine (a minute on a small CPU) for every test. tests/vllm covers the vLLM target, the default's choice included.
 os.environ.setdefault("SPECSERVE_TARGET_BACKEND", "hf")
 
 WORDS = [f"w{i}" for i in range(60)]

@@ -28,7 +28,7 @@ for path in "${tmp_keep[@]}"; do
   i=$((i + 1))
 done
 
-# Private home: a tmpfs over /root, with this machine's pyenv (Python + Ray) moved in.
+# Private home: a tmpfs over root's home, with the entries of it that hold the launcher's Python (and Ray) moved in.
 # No mount point is ever made on disk, so removing the state directory is always safe.
 keep=()
 while read -r sub; do

@@ -6,8 +6,8 @@ at its own committed length and returns logits for the last ``num_logits`` of th
 write overwrites the stale slots). A backend whose forward over ragged rows costs about one
 weight read plus its tokens' work (a GPU serving kernel, the simulator) sets ``fuses_prefill =
 True``, and new prompts are then prefilled as rows of the step's verify forward; the transformers
-backend pads rows to one width, so it keeps prefills apart (fused on the demo pair at batch 8, k = 4,
-a CPU run fell from 1110 to 763 tok/s). Backends know nothing of drafting or verification.
+backend pads rows to one width, so it keeps prefills apart: fused, every decode row would pay for the
+prompt's width. Backends know nothing of drafting or verification.
 """
 
 from __future__ import annotations

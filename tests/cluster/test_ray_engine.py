@@ -131,7 +131,7 @@ def test_bad_request_is_a_value_error_and_loses_nothing(llm, reference):
 
 def test_outputs_finished_together_come_in_one_message(llm, reference):
     """The target sends the outputs finished since its last message together (one Ray object per
-    request cost its cores ~0.5 ms a request): 16 one-token requests, admitted together and so
+    request would cost its cores per request): 16 one-token requests, admitted together and so
     finished by the same step, take fewer messages than requests, and each comes exactly once."""
     import ray
 

@@ -631,7 +631,7 @@ def test_hung_draft_is_detected_and_probed_back(server, target_model):
     finally:
         try:
             os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:  # on a slow run Serve's health check (10 s) replaced the stopped replica first
+        except ProcessLookupError:  # on a slow machine Serve's health check (10 s) may replace the stopped replica first
             print("\nhung draft: Serve restarted the stopped replica before it was resumed")
     wait_healthy(server, 2 * DRAFT_MAX_TIMEOUT_S)  # probed back (or restarted) while idle
     # Speculation resumes: the draft, just woken, may still be working off what it was sent while

@@ -1,4 +1,4 @@
-"""GPU checks: run on a lent GPU machine; skipped cleanly without CUDA.
+"""GPU checks: run on a CUDA machine; skipped cleanly without CUDA.
 
 `python -m pytest tests/gpu -m gpu` on a machine with one GPU runs the single-GPU checks;
 the NCCL tensor path needs two GPUs (NCCL refuses two ranks on one GPU).
@@ -121,7 +121,7 @@ def test_the_same_prompt_is_prefilled_once_on_cuda(tiny_pair):
 @needs_cuda
 def test_decode_attention_stays_off_cudnn(tmp_path):
     """cuDNN's attention builds a graph per key length: a decode step (a new length every step) must not
-    reach it. On an H100 with torch 2.11 PyTorch picks it for bfloat16 (head_dim 64 here) unless told not to."""
+    reach it. PyTorch may pick it for bfloat16 (head_dim 64 here) unless told not to."""
     from torch.profiler import ProfilerActivity, profile
 
     from specserve.backends.hf import HFBackend
@@ -163,8 +163,7 @@ def check_processing_keeps_greedy_lossless(pair: dict, device: str) -> None:
     """Penalties and a bias applied to the target's rows on the device at every verified position: greedy
     output equals target-only with the same parameters; a draft with the target's weights, processing its
     proposals the same way on the device, has every draft accepted; sampled with min-p and allowed tokens,
-    only allowed tokens come out. (On 2026-11-28 a lent H200 failed this: the processor's ids, biases and
-    masks stayed on the CPU.)"""
+    only allowed tokens come out. (A processor whose ids, biases and masks stayed on the CPU fails this.)"""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PROCESSING)
     with LLM(pair["target"], dtype="float32", device=device) as llm:
         ref = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -129,8 +129,8 @@ def test_a_prompt_that_fails_in_a_fused_forward_fails_alone(tiny_pair, reference
 
 def test_generate_refills_a_finished_slot_before_the_next_step(tiny_pair, reference):
     """``max_in_flight=B``: a request that finishes is replaced before the engine's next step, so every
-    step has B requests in flight until the prompts run out (a slot left empty for a step cost ~1 step
-    in 7 at batch 8 on the simulated Spark + 5090)."""
+    step has B requests in flight until the prompts run out (a slot left empty is a step's share of
+    throughput lost)."""
     with pair(tiny_pair, False) as llm:
         core = llm._engine.loop.core
         in_flight, step = [], core.step

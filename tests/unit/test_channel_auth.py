@@ -159,7 +159,7 @@ def test_sequences_over_the_connection_limit_decode_target_only(tiny_pair, refer
 
 def test_a_frame_larger_than_the_socket_buffer_arrives_whole():
     """sendmsg may send part of a large frame; the rest must follow (else the peer waits forever
-    and the draft is timed out: seen with EAGLE heads' prompt rows at batch 32)."""
+    and the draft is timed out; an EAGLE head's prompt rows at batch 32 make such frames)."""
     import socket
     import threading
 

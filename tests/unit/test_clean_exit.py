@@ -1,8 +1,8 @@
 """A script that never calls ``llm.shutdown()`` exits cleanly, and a collected ``LLM`` stops its threads.
 
-Before the exit hook, such a script aborted with "terminate called without an active exception"
-(exit code 134) in about one run in three: the engine's daemon threads were still inside a torch
-forward while the interpreter tore down. Three runs of the script here; the gc test is exact.
+Without the exit hook such a script can abort with "terminate called without an active exception"
+(exit code 134): the engine's daemon threads are still inside a torch forward while the interpreter
+tears down. The script runs three times, since the abort does not come every time; the gc test is exact.
 """
 
 from __future__ import annotations

@@ -174,8 +174,7 @@ def test_compiled_draft_is_lossless(tiny_pair):
 
 
 def test_head_drafts_follow_the_compile_setting(head_pair, monkeypatch):
-    """A draft head is compiled as a draft model is (it used to stay eager whatever the setting): the
-    same policy, on the ``HeadBackend`` the drafter runs."""
+    """A draft head is compiled as a draft model is: the same policy, on the ``HeadBackend`` the drafter runs."""
     target, head = head_pair
     compiled = []
     monkeypatch.setattr(HFBackend, "compile", lambda self: compiled.append(type(self).__name__) or True)

@@ -116,8 +116,8 @@ def test_the_draft_processes_as_the_target_does():
 
 def test_the_processing_follows_the_logits_device():
     """Logits on another device than the CPU (a GPU target or draft) are processed there: the processor's
-    ids, biases and masks move with them. The meta device stands in for a GPU (it checks devices, not values);
-    before this, a CUDA target failed every request with a bias or penalties at its prefill."""
+    ids, biases and masks move with them. The meta device stands in for a GPU (it checks devices, not values):
+    a processor left on the CPU would fail every request with a bias or penalties at its prefill."""
     import torch
 
     params = SamplingParams(temperature=0, max_tokens=4, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,

@@ -15,7 +15,7 @@ from specserve.messages import OpenSeq, ProposeRequest, VerifyResult
 
 
 def rescan_common_prefix(fed: list[int], committed: list[int]) -> int:
-    """The rollback rule before this change: compare what was fed with what is committed."""
+    """The reference rollback rule, by rescanning: compare what was fed with what is committed."""
     n = 0
     while n < min(len(fed), len(committed)) and fed[n] == committed[n]:
         n += 1

@@ -210,7 +210,7 @@ def test_a_step_that_fails_after_finishing_requests_fails_them_too(tiny_pair, re
         core.controller.observe_cycle = observe_cycle
         short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         with concurrent.futures.ThreadPoolExecutor(1) as pool, pytest.raises(RequestFailed, match="engine step failed"):
-            pool.submit(llm.generate, PROMPTS[:2], short, use_tqdm=False).result(timeout=120)  # (was: waited forever)
+            pool.submit(llm.generate, PROMPTS[:2], short, use_tqdm=False).result(timeout=120)  # fails, does not wait forever
         assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)] == reference[:3]  # still serving
 
 
@@ -324,8 +324,8 @@ def test_a_first_token_that_fails_fails_its_request_alone(tiny_pair, reference, 
 
 
 def test_the_heap_is_frozen_while_serving_and_given_back(tiny_pair, reference):
-    """Once the sides are built their objects leave the collector's sight (full collections walked them
-    all: ~120 ms pauses in a draft process at batch 32); shutting down gives them back."""
+    """Once the sides are built their objects leave the collector's sight (a full collection would walk
+    them all, a pause longer than a step); shutting down gives them back."""
     import gc
 
     gc.unfreeze()

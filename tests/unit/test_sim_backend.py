@@ -128,7 +128,7 @@ def test_time_model_grows_with_batch_context_and_new_tokens():
     m = load_profile("qwen3-32b-dgx-spark")
     assert m.forward_s([1], [100]) < m.forward_s([1], [4000]) < m.forward_s([1] * 8, [4000] * 8) < m.forward_s([1] * 32, [4000] * 32)
     assert m.forward_s([1] * 32, [100] * 32) <= m.forward_s([5] * 32, [100] * 32) < m.forward_s([512] * 32, [512] * 32)
-    # The anchors: a 32B bf16 step on a DGX Spark ~0.25-0.3 s, a 1.7B step on an RTX 5090 ~2-3 ms.
+    # Memory bound: a 32B bf16 step on a DGX Spark ~0.25-0.3 s, a 1.7B step on an RTX 5090 ~2-3 ms.
     assert 0.22 < m.decode_step_s() < 0.32
     assert 1.5e-3 < load_profile("qwen3-1.7b-rtx5090").decode_step_s() < 3.5e-3
     assert load_profile("qwen3-8b-h100").decode_step_s() < load_profile("qwen3-8b-dgx-spark").decode_step_s()

@@ -153,7 +153,7 @@ def test_a_new_sequence_joins_a_speculating_batch_without_holding_it_up():
 
 
 def test_first_step_drafts_and_seeded_requests_ask_from_the_prefill_step():
-    """``speculation.first_step_drafts`` asks a new sequence's block in its prefill step (as before); a seeded
+    """``speculation.first_step_drafts`` asks a new sequence's block in its prefill step; a seeded
     sampled request always does (its draws follow block boundaries, as on specserve's own engine)."""
     draft = FakeDraft()
     runner = FakeModelRunner(draft, first_step_drafts=True)
