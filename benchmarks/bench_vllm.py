@@ -407,7 +407,8 @@ def _from_json(path: Path, out: Path) -> dict:
 
     data = read_results(path)
     rows = summarize(data["records"], data["args"]["k"])
-    _report(out, f"vLLM side by side, summarized again from {path} (its run's settings: {data['args']})\n\n" + table(rows), rows)
+    title = (data["header"] + "\n\n") if data.get("header") else ""
+    _report(out, title + f"vLLM side by side, summarized again from {path} (its run's settings: {data['args']})\n\n" + table(rows), rows)
     return {"summary": rows, "records": data["records"]}
 
 

@@ -1,6 +1,7 @@
-"""Smoke test of benchmarks/bench_systems.py in --quick mode: tiny random models and the simulator, no Ray.
+"""The benchmarks run: every entry point's ``--help``, a tiny bench_systems run (tiny random models and the
+simulator, no Ray), the kept reference runs redrawn by ``--from-json``, and the harness's placement.
 
-Checks what the run writes (tables, JSON fields, plots, the skip lines), never timing values.
+Checks what the runs write (tables, JSON fields, plots, the skip lines), never timing values.
 """
 
 from __future__ import annotations
@@ -8,6 +9,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,102 @@ from benchmarks.bench_systems import main
 from ..conftest import make_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+# Every entry point a user or a developer runs, with a phrase of the question its --help opens with.
+ENTRY_POINTS = {
+    "benchmarks.bench_vllm": "against vLLM",
+    "benchmarks.bench_serve": "vllm serve",
+    "benchmarks.bench_systems": "what speculation can give",
+    "benchmarks.bench_gpu": "CUDA GPU",
+    "benchmarks.bench_http": "each hop",
+    "benchmarks.bench_cluster": "round trip",
+    "benchmarks.dev.bench_draft_forward": "eager against compiled",
+    "benchmarks.dev.bench_stream_path": "streamed token",
+    "benchmarks.dev.bench_batch_paths": "three ways in",
+    "benchmarks.dev.bench_draft_flood": "flood",
+    "benchmarks.dev.profile_gpu": "decode step",
+}
+HEADER = re.compile(r"^20\d\d-\d\d-\d\d[ ;].*; `python -m benchmarks\.\w+")  # date; machine; `command`
+
+
+def _flags_without_help(text: str) -> list[str]:
+    """The options of an argparse --help whose entry has no help text (argparse prints the flag alone on
+    its line, and the next line is another option or the end)."""
+    lines = text.split("options:", 1)[1].splitlines()[1:]
+    bare = []
+    for i, line in enumerate(lines):
+        if line.startswith("  -") and not re.search(r"\S\s{2,}\S", line.strip()):
+            following = lines[i + 1] if i + 1 < len(lines) else ""
+            if not following.startswith(" " * 8) or following.startswith("  -"):
+                bare.append(line.strip())
+    return bare
+
+
+def test_every_entry_point_answers_help_with_its_question_and_every_flag_explained():
+    """``python -m <entry point> --help`` in a subprocess, all at once: exit 0, the usage names the module,
+    the description opens with the benchmark's question, and no flag is left without a help string."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], cwd=ROOT, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for m in ENTRY_POINTS}
+    for module, phrase in ENTRY_POINTS.items():
+        out, _ = procs[module].communicate(timeout=120)
+        assert procs[module].returncode == 0, (module, out[-2000:])
+        assert out.startswith(f"usage: python -m {module} "), (module, out[:200])
+        question = out.split("\n\n", 2)[1]
+        assert phrase in " ".join(question.split()), (module, question)
+        assert "options:" in out and "--help" in out
+        assert _flags_without_help(out) == [], (module, _flags_without_help(out))
+
+
+def test_the_help_format_names_defaults_and_the_header_names_date_machine_and_command():
+    from benchmarks.cli import header, parser
+
+    p = parser("benchmarks.example", "What does it answer?\n\nMore.")
+    p.add_argument("--n", type=int, default=3, help="how many")
+    p.add_argument("--out", default=None, help="where; default: --dir")
+    p.add_argument("--fast", action="store_true", help="go fast")
+    text = p.format_help()
+    assert "how many (default: 3)" in " ".join(text.split()) and "(default: None)" not in text and "(default: False)" not in text
+    line = header("benchmarks.example", ["--n", "4", "--label", "a b"])
+    assert HEADER.match(line) and line.endswith("`python -m benchmarks.example --n 4 --label 'a b'`"), line
+    assert re.search(r"\d+ CPUs", line)
+
+
+def test_the_kept_reference_runs_are_few_and_say_when_where_and_how():
+    """benchmarks/results keeps one run per benchmark: few files, each table opening with its date, machine
+    and exact command."""
+    files = [f for f in RESULTS.rglob("*") if f.is_file()]
+    assert 0 < len(files) <= 25, sorted(str(f.relative_to(RESULTS)) for f in files)
+    tables = [f for f in files if f.suffix == ".md"]
+    assert {f.parent.name for f in tables} == {"bench_vllm", "bench_systems", "bench_serve", "bench_gpu", "bench_http"}
+    for f in tables:
+        lines = [line for line in f.read_text().splitlines() if line and not line.startswith("# ")]
+        assert HEADER.match(lines[0]) or re.match(r"^20\d\d-\d\d-\d\d; .*`python -m benchmarks\.\w+", lines[0]), (f, lines[0])
+
+
+def test_the_kept_runs_redraw_from_their_raw_json(tmp_path, capsys):
+    """``--from-json`` of bench_vllm and bench_systems rebuilds the kept runs' tables and plots, measuring
+    nothing: every pair, batch size and system of the run has its row, and every speculative row is exact."""
+    from benchmarks.bench_vllm import main as bench_vllm
+
+    vllm = bench_vllm(["--from-json", str(RESULTS / "bench_vllm" / "results.json.gz"), "--out", str(tmp_path / "vllm")])
+    rows = {(r["pair"], r["batch"], r["system"]): r for r in vllm["summary"]}
+    systems = ("vllm target-only", "vllm colocated k=4", "specserve d=0ms", "specserve own engine")
+    assert set(rows) == {(p, b, s) for p in ("demo", "realistic") for b in (1, 8, 32) for s in systems}
+    assert all(rows[(p, b, "specserve d=0ms")]["exact"] for p in ("demo", "realistic") for b in (1, 8, 32))
+    tables = (tmp_path / "vllm" / "tables.md").read_text()
+    assert "| realistic | 32 | specserve d=0ms |" in tables and tables.splitlines()[0] in capsys.readouterr().out
+    assert (tmp_path / "vllm" / "speedup_vs_batch.png").read_bytes()[:8] == PNG
+
+    sim = main(["--from-json", str(RESULTS / "bench_systems" / "results.json.gz"), "--out", str(tmp_path / "sim")])
+    summary = {(r["system"], r["batch"]) for r in sim["summary"]}
+    assert {("colocated k=4", b) for b in (1, 8, 32)} | {("ray k=4 10gbe", b) for b in (1, 8, 32)} <= summary
+    assert all(r["greedy_exact"] for r in sim["summary"])
+    text = (tmp_path / "sim" / "tables.md").read_text()
+    for part in ("## Scenario `sim`", "### batch 32", "serial bound", "### Does remote drafting pay?"):
+        assert part in text
+    assert (tmp_path / "sim" / "speedup_vs_batch.png").read_bytes()[:8] == PNG
 
 
 def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
@@ -53,6 +154,7 @@ def test_quick_run_writes_tables_json_and_plots(tmp_path, capsys):
     assert summary[("sim", "specserve adaptive k<=2", 1)]["predicted"][0]["k"] == 0
 
     tables = (out / "tables.md").read_text()
+    assert HEADER.match(tables.splitlines()[2]) and "`python -m benchmarks.bench_systems --quick --scenarios custom,sim" in tables
     for text in ("## Scenario `custom`", "## Scenario `sim`", "### batch 2", "| system | k | tok/s | min-max | speed-up |",
                  "serial bound", "predicted vs measured speed-up", "## Skipped"):
         assert text in tables
