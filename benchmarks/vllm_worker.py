@@ -1,6 +1,6 @@
 """One vLLM engine behind a JSON-lines pipe, so the benchmark can interleave it with the other systems.
 
-Runs under a Python that has vLLM (e.g. ``/work/venv-vllm/bin/python benchmarks/vllm_worker.py``);
+Runs under a Python that has vLLM (``$SPECSERVE_VLLM_PYTHON benchmarks/vllm_worker.py``);
 imports neither specserve nor the benchmark. Data flow: one JSON command per stdin line ->
 one reply per stdout line prefixed with ``@@bench `` (vLLM's own logging may share stdout):
 

@@ -95,7 +95,7 @@ def test_seeded_sampling_is_reproducible(hf_draft_llm):
 
 
 def test_greedy_exact_with_a_vllm_draft(ray_cluster, hf_draft_llm, reference):
-    hf_draft_llm.shutdown()  # one target engine at a time on these cores
+    hf_draft_llm.shutdown()  # one target engine at a time: two would share the cores
     llm = ray_llm("vllm")
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
