@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from ..config import SpecserveConfig
-from ..outputs import RequestOutput
+from ..outputs import Committed, RequestOutput
 from ..sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -34,8 +34,9 @@ logger = logging.getLogger("specserve")
 # fails at once, then the Serve handle call); otherwise the 503 comes when it leaves.
 ANNOUNCE_EVERY_S = 0.5  # how often each replica tells the registry it is alive (and its metrics)
 REGISTRY_TTL_S = 2.0  # a replica not heard from for this long is no longer listed
-# How long a stopping target lets its direct streams finish: within Serve's graceful_shutdown_timeout_s (5 s,
-# serve/app.py), which also covers the 0.5 s drain before it; past that Serve kills the replica anyway.
+# How long a stopping target waits for its direct streams to close once it has handed them back to the
+# router (which resumes each elsewhere): within Serve's graceful_shutdown_timeout_s (5 s, serve/app.py),
+# which also covers the 0.5 s drain before it; past that Serve kills the replica anyway.
 DRAIN_S = 4.0
 
 
@@ -307,9 +308,11 @@ class TargetWorker:
                 raise ValueError(f"request {i}: {exc}") from None
         return out
 
-    async def stream(self, request_id: str, token_ids: list[int], params: dict):
-        """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True."""
-        async with contextlib.aclosing(self.loop.stream(request_id, list(token_ids), SamplingParams(**params))) as deltas:
+    async def stream(self, request_id: str, token_ids: list[int], params: dict, committed: dict | None = None):
+        """One dict (``StepDelta`` fields) per step that added tokens; the last has finished=True.
+        ``committed``: the output a resumed request already has (``Committed.to_dict``), which it continues."""
+        resume = Committed.from_dict(committed)
+        async with contextlib.aclosing(self.loop.stream(request_id, list(token_ids), SamplingParams(**params), resume)) as deltas:
             async for item in deltas:
                 yield {**vars(item), "source": self.name}  # (shallow: asdict deep-copies, 10 us a delta)
 
@@ -384,15 +387,16 @@ class TargetWorker:
         """Serve's graceful stop (scale-down, rolling update, app deleted) ends here, after its drain, which
         sees only requests that came through the Serve handle. Routers stream from a target they pick in
         the Registry: withdraw from it, refuse new streams (the router then takes the handle, which Serve
-        no longer routes here), and let the open ones finish, up to ``DRAIN_S``, before stopping."""
+        no longer routes here), and hand the open ones back (the router resumes each on another replica
+        from the output it has), waiting up to ``DRAIN_S`` for them to close, before stopping."""
         announcer = getattr(self, "_announcer", None)
         if announcer is not None:
             announcer.stop()
         streams = getattr(self, "streams", None)
         if streams is not None:
             if not streams.drain(DRAIN_S):
-                logger.warning("target %s stopping with %d direct streams still open after %.0f s", getattr(self, "name", "?"),
-                               streams.streaming, DRAIN_S)
+                logger.warning("target %s stopping with %d direct streams still open %.0f s after handing them back",
+                               getattr(self, "name", "?"), streams.streaming, DRAIN_S)
             streams.close()
         loop = getattr(self, "loop", None)
         if loop is not None:

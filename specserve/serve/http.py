@@ -3,14 +3,12 @@
 Every error this server sends is ``{"error": {"message", "type", "param", "code"}}``:
 validation errors become 400 (not FastAPI's 422), unknown paths 404, anything unexpected a
 500 without internals. The OpenAPI document lists exactly the statuses the routes return.
-Also the small helpers the router needs (usage, dead-replica detection, bounded chunk reads).
+Also the small helpers the router needs (usage, logprobs' shape, dead-replica detection).
 """
 # No `from __future__ import annotations` here or in router.py: Serve's ingress reads the
 # endpoints' real annotations.
 
-import asyncio
 import logging
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,10 +39,6 @@ class APIError(Exception):
         if self.status < 500:
             return ValueError(self.message if not self.param or self.param in self.message else f"{self.param}: {self.message}")
         return TimeoutError(self.message) if self.status == 503 else RuntimeError(self.message)
-
-
-class DeadTarget(Exception):
-    """The target replica died before this request produced output."""
 
 
 def unavailable(message: str) -> APIError:
@@ -168,11 +162,3 @@ def is_dead_replica(exc: BaseException) -> bool:
 
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, TargetGone)) or \
         type(exc).__name__ in ("DeploymentUnavailableError", "ActorDiedError")
-
-
-async def next_chunk(gen, deadline: float) -> dict:
-    """The target's next chunk, bounded by the request's deadline (every await on an actor has a bound)."""
-    try:
-        return await asyncio.wait_for(gen.__anext__(), timeout=max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        raise TimeoutError("the request exceeded request_timeout_s") from None

@@ -1,4 +1,5 @@
-"""Render the registry's snapshot as Prometheus text, with vLLM's spec-decode metric names.
+"""Render the registry's snapshot as Prometheus text, with vLLM's spec-decode metric names, and
+this router's own counts (admission, resumed requests).
 
 Ray metric names may not contain ':' so vLLM's ``vllm:spec_decode_*`` become
 ``specserve_spec_decode_*``. Counters are summed over the live target replicas; drafts and
@@ -9,8 +10,47 @@ snapshot per scrape, which the text format renders directly.
 
 from __future__ import annotations
 
+import bisect
 
-def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> str:
+RESUME_CAUSES = ("death", "stall", "error", "scale_down")
+
+
+class ResumeStats:
+    """This router's resumed requests: how many, by cause, and how long each resume took (from the
+    failure noticed to the first delta from the replica that took over)."""
+
+    BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+    def __init__(self):
+        self.by_cause = dict.fromkeys(RESUME_CAUSES, 0)
+        self.buckets = [0] * (len(self.BUCKETS_S) + 1)  # the last: above every bound
+        self.sum_s = 0.0
+        self.count = 0
+
+    def resumed(self, cause: str) -> None:
+        self.by_cause[cause] = self.by_cause.get(cause, 0) + 1
+
+    def took(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(self.BUCKETS_S, seconds)] += 1
+        self.sum_s += seconds
+        self.count += 1
+
+    def lines(self, model: str) -> list[str]:
+        label = f'model_name="{model}"'
+        out = ["# HELP specserve_requests_resumed_total Request choices resumed on another target replica from their committed "
+               "output, by why their replica let them go.", "# TYPE specserve_requests_resumed_total counter"]
+        out += [f'specserve_requests_resumed_total{{{label},cause="{c}"}} {float(n)}' for c, n in self.by_cause.items()]
+        out += ["# HELP specserve_request_resume_seconds Time from a replica's failure noticed to the first delta from the "
+                "replica that took over.", "# TYPE specserve_request_resume_seconds histogram"]
+        total = 0
+        for bound, n in zip((*self.BUCKETS_S, float("inf")), self.buckets):
+            total += n
+            out.append(f'specserve_request_resume_seconds_bucket{{{label},le="{"+Inf" if bound == float("inf") else bound}"}} {float(total)}')
+        out += [f"specserve_request_resume_seconds_sum{{{label}}} {self.sum_s}", f"specserve_request_resume_seconds_count{{{label}}} {float(self.count)}"]
+        return out
+
+
+def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float, resumes: ResumeStats | None = None) -> str:
     targets = snapshot.get("target", {})
     drafts = snapshot.get("draft", {})
     lines: list[str] = []
@@ -78,4 +118,6 @@ def prometheus_text(snapshot: dict, model: str, edge, registry_age_s: float) -> 
                    int(bool(t.get("draft_ahead"))), {"draft": name, "target": target})
     metric("specserve_metrics_age_seconds", "gauge", "Age of the replica snapshot these numbers come from (-1: none yet).",
            registry_age_s)
+    if resumes is not None:
+        lines += resumes.lines(model)
     return "\n".join(lines) + "\n"

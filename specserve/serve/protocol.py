@@ -179,6 +179,8 @@ class _SamplingFields(_Body):
     cache_salt: Text | None = Field(None, max_length=256, description="vLLM extension: accepted; there is no prefix cache shared between requests to salt.")
     return_token_ids: StrictBool | None = Field(False, description="vLLM extension: add the prompt's and the output's token ids to each choice.")
     idx_in_batch: StrictInt | None = Field(None, description="Accepted and ignored: the row index Ray Data's processor adds.")
+    wait_for_target: StrictBool = Field(False, description="specserve extension: when no target replica is up (one is restarting), wait for one "
+                                                           "(up to server.target_restart_wait_s) instead of the immediate 503.")
     # vLLM fields accepted only at their neutral value (NEUTRAL says why another value is refused).
     n: StrictInt | None = Field(1, ge=1, le=MAX_N, description=f"Choices to generate (up to {MAX_N}); with a seed, choice i uses seed + i, as vLLM.")
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM extension: each prompt token's logprob and the "

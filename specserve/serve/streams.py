@@ -11,9 +11,11 @@ Protocol (msgpack frames, a 4-byte little-endian length first):
 
 - the target sends ``{"challenge": hex}`` when it accepts;
 - the router proves the app's secret in a small frame, ``{"proof": HMAC(secret, "router:" + challenge)}``,
-  then sends the request, ``{"request_id", "token_ids", "params"}`` (``SamplingParams`` fields);
+  then sends the request, ``{"request_id", "token_ids", "params"}`` (``SamplingParams`` fields), and
+  for a request resumed from another replica ``"committed"`` (``Committed``: the output it has);
 - the target then sends one ``StepDelta`` dict per step that added tokens (the last has
-  ``finished``), or one ``{"error": message, "kind": "invalid" | "busy" | "auth" | "internal"}``.
+  ``finished``), or one ``{"error": message, "kind": "invalid" | "busy" | "auth" | "internal" |
+  "stopping"}`` (``stopping``: the replica is shutting down and hands the request back to be resumed).
 
 Closing the connection, from either side, aborts the request on the target. The listening port
 is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret, nothing over
@@ -36,6 +38,7 @@ from collections import deque
 
 import msgpack
 
+from ..outputs import Committed
 from ..sampling_params import SamplingParams
 from ..secret import new_challenge, prove, verify
 
@@ -53,6 +56,10 @@ DELTA_FRAME_BYTES = 64 << 20  # the router's cap on one delta (prompt logprobs o
 
 class TargetGone(ConnectionError):
     """The target replica's stream ended without finishing: the replica died or dropped it."""
+
+
+class TargetStopping(TargetGone):
+    """The target replica is shutting down (a scale-down) and handed the request back to be resumed elsewhere."""
 
 
 class StreamRefused(Exception):
@@ -86,6 +93,7 @@ class StreamServer:
         self.num_streams = 0  # requests streamed (started) over this port
         self.num_refused = 0  # connections turned away: wrong secret, or too many streams open
         self.draining = False  # the replica is stopping: new requests are refused as busy (the router then uses the handle)
+        self._tasks: set[asyncio.Task] = set()  # the streams running, which a stopping replica hands back
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
@@ -162,6 +170,7 @@ class StreamServer:
     async def _stream(self, hello: dict, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             rid, tokens, params = str(hello["request_id"]), list(hello["token_ids"]), SamplingParams(**hello["params"])
+            committed = Committed.from_dict(hello.get("committed"))
         except (KeyError, TypeError, ValueError) as exc:
             writer.write(_pack({"error": str(exc), "kind": "invalid"}))
             return
@@ -175,7 +184,8 @@ class StreamServer:
 
         gone = asyncio.ensure_future(reader.read(1))
         gone.add_done_callback(router_left)
-        deltas = self.engine_loop.stream(rid, tokens, params)
+        deltas = self.engine_loop.stream(rid, tokens, params, committed)
+        self._tasks.add(task)
         try:
             async for item in deltas:
                 writer.write(_pack({**vars(item), "source": self.source}))  # (shallow: asdict deep-copies, 10 us a delta)
@@ -183,6 +193,9 @@ class StreamServer:
                 if item.finished:
                     return
         except asyncio.CancelledError:
+            if self.draining and not gone.done():  # handed back: the router resumes it on another replica
+                writer.write(_pack({"error": "the target replica is stopping", "kind": "stopping"}))
+                return
             if not gone.done() or gone.cancelled():
                 raise  # the server is closing
         except ValueError as exc:  # the engine's validation: the request's fault
@@ -192,6 +205,7 @@ class StreamServer:
             writer.write(_pack({"error": f"{type(exc).__name__}: {exc}", "kind": "internal"}))
         finally:
             streaming = False
+            self._tasks.discard(task)
             gone.cancel()
             await deltas.aclose()  # unfinished: aborts the request on both sides
 
@@ -201,8 +215,12 @@ class StreamServer:
 
     def drain(self, timeout_s: float) -> bool:
         """Refuse new requests (as busy: the router serves them through the Serve handle, which a stopping
-        replica no longer gets) and wait up to ``timeout_s`` for the open streams to finish; True when they did."""
+        replica no longer gets) and hand the open streams back (``stopping``: the router resumes each on
+        another replica from what it has); wait up to ``timeout_s`` for them to close. True when they did."""
         self.draining = True
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self._tasks)])
         deadline = time.monotonic() + timeout_s
         while self.streaming and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -274,6 +292,8 @@ class DirectStream:
                 raise ValueError(text)
             if kind in ("busy", "auth"):
                 raise StreamRefused(text)
+            if kind == "stopping":
+                raise TargetStopping(text)
             raise RuntimeError(f"the target failed: {text}")
         if msg.get("finished"):
             self.finished = True
@@ -287,6 +307,12 @@ class DirectStream:
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
             on_close()
+
+    def interrupt(self) -> None:
+        """Break the connection now (from another task of the loop): a pending ``__anext__`` raises
+        ``TargetGone``, and the target aborts the request when it next reads."""
+        self._resend = None
+        self.writer.transport.abort()
 
 
 async def connect(address: str, token: str, timeout_s: float = 2.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -306,9 +332,13 @@ async def connect(address: str, token: str, timeout_s: float = 2.0) -> tuple[asy
     return reader, writer
 
 
-async def _send_request(writer: asyncio.StreamWriter, request_id: str, token_ids: list[int], params: dict) -> None:
+async def _send_request(writer: asyncio.StreamWriter, request_id: str, token_ids: list[int], params: dict,
+                        committed: dict | None = None) -> None:
+    request = {"request_id": request_id, "token_ids": list(token_ids), "params": params}
+    if committed:
+        request["committed"] = committed
     try:
-        writer.write(_pack({"request_id": request_id, "token_ids": list(token_ids), "params": params}))
+        writer.write(_pack(request))
         await writer.drain()
     except BaseException:
         writer.close()
@@ -316,10 +346,11 @@ async def _send_request(writer: asyncio.StreamWriter, request_id: str, token_ids
 
 
 async def open_stream(address: str, token: str, request_id: str, token_ids: list[int], params: dict,
-                      timeout_s: float = 2.0, on_close=None) -> DirectStream:
-    """Connect to a target replica's stream server and send one request (``OSError`` if it cannot be reached)."""
+                      timeout_s: float = 2.0, on_close=None, committed: dict | None = None) -> DirectStream:
+    """Connect to a target replica's stream server and send one request (``OSError`` if it cannot be
+    reached); ``committed``: the output it resumes from (``Committed.to_dict``)."""
     reader, writer = await connect(address, token, timeout_s)
-    await _send_request(writer, request_id, token_ids, params)
+    await _send_request(writer, request_id, token_ids, params, committed)
     return DirectStream(reader, writer, on_close)
 
 
@@ -344,7 +375,8 @@ class SparePool:
         reader, writer, born = spare
         return now - born < self.max_age_s and not writer.is_closing() and not reader.at_eof() and reader.exception() is None
 
-    async def open(self, address: str, request_id: str, token_ids: list[int], params: dict, on_close=None) -> DirectStream | None:
+    async def open(self, address: str, request_id: str, token_ids: list[int], params: dict, on_close=None,
+                   committed: dict | None = None) -> DirectStream | None:
         """``open_stream`` on a spare connection to ``address``; None when there is no spare fit to use.
         Should the target have dropped the spare unread, the stream sends the request once more, on a
         fresh connection, as ``<request_id>-f``."""
@@ -355,11 +387,11 @@ class SparePool:
 
         async def resend():
             fresh = await connect(address, self.token)
-            await _send_request(fresh[1], f"{request_id}-f", token_ids, params)
+            await _send_request(fresh[1], f"{request_id}-f", token_ids, params, committed)
             return fresh
 
         try:
-            await _send_request(writer, request_id, token_ids, params)
+            await _send_request(writer, request_id, token_ids, params, committed)
         except (OSError, ConnectionError):
             reader, writer = await resend()
         return DirectStream(reader, writer, on_close, resend)
