@@ -201,6 +201,9 @@ class ServerConfig(_Section):
     direct_streams: bool = Field(True, description="Stream each request's tokens from its target replica to the router over an authenticated TCP connection instead of a Serve handle call (faster first token and per-token delivery; the handle remains the fallback).")
     stream_token: str | None = Field(None, description="Secret the router proves to target replicas on direct streams (generated per app when unset).")
     stream_spares: int = Field(2, ge=0, le=64, description="Direct-stream connections the router keeps open and authenticated ahead of need, per target replica, so a request's first bytes to the target are the request itself (0: connect per request).")
+    resume_limit: int = Field(3, ge=0, le=100, description="How many times one request (each of its n choices) may be resumed on another target replica, from the output it already has, after its replica died, stalled, failed it or stopped (0: such a request fails instead). The next failure fails it with an error saying why.")
+    stall_timeout_s: float = Field(8.0, gt=0, description="A target replica whose engine took no step for this long while a request on it got no output is stalled: the request is cut off there and resumed on another. Detected within about this plus 1.5 s (the replicas' heartbeat). Keep it above the longest single engine step (a long prompt's prefill on specserve's own engine).")
+    target_restart_wait_s: float = Field(60.0, ge=0, description="How long a request whose target replica failed waits for a replica to be up (Serve restarts a dead one) when no other is, before failing; new requests meanwhile get a fast 503 unless they set wait_for_target, which waits this long too.")
 
 
 class SpecserveConfig(_Section):
