@@ -93,7 +93,7 @@ def run_llm(target: str, draft: str | None, prompts, batch: int, max_tokens: int
     accepted = sum(o.metrics.num_accepted_tokens for o in outs)
     spec = after["speculation"]
     arms = Counter(f"k={a[0]}{'c' if a[1] else ''}" if a else "-" for a in (c[3] for c in spec.get("trace", [])))
-    row = {"arms": dict(arms), "arm_by_bucket": spec.get("arm_by_bucket"), "realized": spec.get("realized_tokens_per_s"),
+    row = {"arms": dict(arms), "arm_by_bucket": spec.get("arm_by_bucket"), "predicted": spec.get("predicted_tokens_per_s"),
            "tok_s": tokens / wall, "step_ms": (after["timing"]["wall_s"] - before["timing"]["wall_s"]) / max(1, steps) * 1e3,
            "steps": steps, "tokens_per_step": tokens / max(1, steps),
            "acceptance": accepted / drafted if drafted else None}

@@ -178,7 +178,7 @@ class SpecserveRunner:
                 "verify_ms": t["verify_s"] / verify * 1e3, "draft_wait_ms": t["draft_wait_s"] / spec * 1e3,
                 "link_ms": (t["draft_wait_s"] - t["draft_compute_s"]) / spec * 1e3, "overhead_ms": t["specserve_s"] / steps * 1e3,
                 "draft_compute_s": t["draft_compute_s"], "hidden_bytes": d("hidden_bytes"),
-                "k": after.get("speculation", {}).get("k"), "realized": after.get("speculation", {}).get("realized_tokens_per_s"), "draft_ahead": _draft_ahead(after)}
+                "k": after.get("speculation", {}).get("k"), "predicted": after.get("speculation", {}).get("predicted_tokens_per_s"), "draft_ahead": _draft_ahead(after)}
 
     def close(self) -> None:
         self.llm.shutdown()

@@ -182,10 +182,6 @@ class DraftSide:
     def apply(self, seq: DraftSeq, r: VerifyResult) -> None:
         """O(1) rollback: keep the KV of base_len + num_accepted tokens, splice the new ones."""
         assert r.base_len <= len(seq.token_ids)
-        if seq.block and r.base_len == seq.block_base:
-            observe = getattr(self.drafter, "observe", None)
-            if observe is not None:
-                observe(len(seq.block), r.num_accepted)
         valid = min(seq.num_fed, r.base_len + r.num_accepted)
         if valid < seq.num_fed:
             seq.num_fed = valid
@@ -242,6 +238,8 @@ class DraftSide:
         k = max(ks, default=0)
         if k:  # (a push asks nothing and sends no budget: its first blocks take the last ones)
             self._recent_k, self._budget_s = k, req.budget_s
+            if req.acceptance and hasattr(self.drafter, "acceptance"):  # the target's estimate sizes the trees
+                self.drafter.acceptance[: len(req.acceptance)] = req.acceptance
         self._proposed += self._first_blocks(req, asked, k or self._recent_k)
         self._tree_seqs = list(self._proposed) if req.tree else []
         step = self.drafter.step_time(max(1, len(seqs)))

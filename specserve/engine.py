@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from .adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
+from .adaptive import SpeculationController, StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
 from .messages import OpenSeq
 from .outputs import Committed, SpecMetrics, StepDelta
 from .pool import DraftPool
@@ -220,22 +220,17 @@ class EngineCore(RequestQueue):
         wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
                                    ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
                                     for rid, s in seqs.items()), cache=have_draft and self.pool.drafts_ahead)
-        fresh = False  # a new sequence asked no block: its open goes out in this step all the same
-        for rid in admitted_ids if wants and not self.first_step_drafts else ():
-            # A new sequence's first step goes without drafts, so neither its first token nor the
-            # batch waits for the draft to prefill it (vLLM, too, takes the first token from the
-            # prefill); the draft catches up from the verdict. Seeded sampled requests keep full
-            # blocks: their draws follow block boundaries, and the same seed must give the same output.
-            s = seqs.get(rid)
-            if s is not None and (s.params.greedy or s.params.seed is None):
-                fresh = wants.pop(rid, None) is not None or fresh
+        # A new sequence's first step goes without drafts (its open still goes out this step: ``fresh``).
+        fresh = bool(wants) and not self.first_step_drafts and hold_first_blocks(
+            wants, admitted_ids, lambda rid: rid in seqs and not seqs[rid].params.greedy and seqs[rid].params.seed is not None)
         cache_only, arm = self.controller.cache_only, self.controller.arm
         if arm is not None and arm[0] and not wants:
             arm = None  # a speculating arm that asked nothing (no room left) measures nothing
         blocks, fallback, outcome = {}, set(), None
         if wants:
             outcome = self.pool.propose(self.step_id, wants, draft_misses=not cache_only,
-                                        budget_s=self.controller.budget(len(seqs), max(wants.values())))
+                                        budget_s=self.controller.budget(len(seqs), max(wants.values())),
+                                        acceptance=self.controller.acceptance)
             blocks, fallback = outcome.blocks, outcome.fallback
         elif self.pool is not None and not have_draft and self.controller.max_k:
             fallback = set(seqs)  # speculation is configured but no draft is up: decoding target-only

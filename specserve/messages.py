@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 6  # 6: ProposeRequest.tree, DraftTree; 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
+PROTOCOL_VERSION = 7  # 7: ProposeRequest.acceptance; 6: ProposeRequest.tree, DraftTree; 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
 
 
 MAX_DRAFT_TOKENS = 64  # drafts one block (or one tree branch) may carry
@@ -159,8 +159,12 @@ class ProposeRequest:
     draft_misses: bool = True  # false: answer only what the speculation cache holds (possibly nothing), draft nothing now
     budget_s: float = 0.0  # the target's estimate of the time until its next request (verify + link); 0: unknown
     tree: bool = False  # also send a DraftTree once drafting ahead for these sequences stops
+    # [<= MAX_DRAFT_TOKENS] the target's per-position acceptance, which the draft sizes its trees by; []: unknown
+    acceptance: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if len(self.acceptance) > MAX_DRAFT_TOKENS or not all(0.0 <= a <= 1.0 for a in self.acceptance):
+            raise ValueError(f"acceptance must hold at most {MAX_DRAFT_TOKENS} probabilities in [0, 1]")
         if len(self.request_ids) != len(self.num_draft_tokens):
             raise ValueError(f"{len(self.request_ids)} request_ids but {len(self.num_draft_tokens)} num_draft_tokens")
         if any(not 0 <= k <= MAX_DRAFT_TOKENS for k in self.num_draft_tokens):

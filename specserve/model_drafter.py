@@ -26,7 +26,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .adaptive import LinearCost
 from .backends.base import ModelBackend
 from .draft import Branch, DraftSeq, Proposal
 from .rng import DRAFT_SAMPLE, uniforms
@@ -35,6 +34,36 @@ from .sampling import processed_probs, sample_with_uniforms
 
 def _bucket(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
+
+
+class LinearCost:
+    """Seconds of one tree depth by its rows, t(n) = a + b * n: a running estimate per n seen, and a
+    line through them (weighted by how often each n was seen) for the n not seen."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight = weight
+        self.points: dict[float, tuple[float, int]] = {}  # n -> (running seconds, samples)
+
+    @property
+    def samples(self) -> list[tuple[float, float]]:
+        return [(n, t) for n, (t, _) in sorted(self.points.items())]
+
+    def add(self, n: float, seconds: float) -> None:
+        old = self.points.get(n)
+        self.points[n] = (seconds, 1) if old is None else ((1 - self.weight) * old[0] + self.weight * seconds, old[1] + 1)
+
+    def predict(self, n: float) -> float | None:
+        if not self.points:
+            return None
+        if n in self.points and self.points[n][1] >= 2:
+            return self.points[n][0]
+        xs, ys, ws = zip(*[(x, y, min(c, 8)) for x, (y, c) in self.points.items()])
+        total = sum(ws)
+        mean_x, mean_y = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
+        var = sum(w * (x - mean_x) ** 2 for w, x in zip(ws, xs))
+        # One n seen so far: a mild slope (a tenth of the cost per row at that n).
+        slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(ws, xs, ys)) / var) if var > 0 else 0.1 * mean_y / max(mean_x, 1)
+        return max(1e-6, mean_y + slope * (n - mean_x))
 
 
 class ModelDrafter:
@@ -60,7 +89,7 @@ class ModelDrafter:
         self.num_forwards = 0  # forwards of the last propose (critical path)
         self.forward_s = 0.0  # and their time
         self.step_times: dict[int, float] = {}  # batch bucket -> running estimate of one single-token forward
-        self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches
+        self.acceptance = np.full(64, 0.7)  # per-position acceptance, for choosing branches: the target's (``ProposeRequest``)
         self.tree_cost = LinearCost()  # seconds of one tree depth (forward and choosing) by rows (sequences x branches)
         # Share of the budget trees get: cut when the next request had to wait for the tree (it came
         # sooner than the budget said), regrown while trees finish in time (``_fit_budget``).
@@ -255,11 +284,6 @@ class ModelDrafter:
         self.backend.forward([s.key for s in seqs], feed, [1] * len(seqs))
         for s, f in zip(seqs, feed):
             s.num_fed += len(f)
-
-    def observe(self, num_draft: int, num_accepted: int) -> None:
-        """Per-position acceptance, from the verify results (chooses which branches to draft)."""
-        for pos in range(min(num_accepted + 1, num_draft)):
-            self.acceptance[pos] = 0.95 * self.acceptance[pos] + 0.05 * (1.0 if pos < num_accepted else 0.0)
 
     def prepare(self, seqs: list[DraftSeq], should_stop: Callable[[], bool], budget_s: float = 0.0) -> None:
         """Glue forward over each block just sent, then the branch tree for its likeliest verdicts,

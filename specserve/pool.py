@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .messages import CloseSeq, DraftBlock, DraftTree, Hello, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
+from .messages import MAX_DRAFT_TOKENS, CloseSeq, DraftBlock, DraftTree, Hello, OpenSeq, ProposeReply, ProposeRequest, VerifyResult
 from .reply_check import check_block
 from .transport import DraftUnavailable
 
@@ -282,19 +282,22 @@ class DraftPool:
         return any(d.info.get("draft_ahead") for d in self.drafts.values())
 
     def _request(self, d: _Draft, step: int, rids: list[str], ks: list[int], live: list[str] | None = None,
-                 draft_misses: bool = True, budget_s: float = 0.0, tree: bool = False) -> ProposeRequest:
+                 draft_misses: bool = True, budget_s: float = 0.0, tree: bool = False, acceptance=()) -> ProposeRequest:
         opens, results = d.opens, list(d.results.values())
         if self.hidden_layers is not None and not d.info.get("hidden_layers"):  # rows only to the drafts that read them
             opens = [dataclasses.replace(o, hidden_states=None) for o in opens]
             results = [dataclasses.replace(r, hidden_states=None) for r in results]
-        req = ProposeRequest(step, opens, results, d.closes, rids, ks, live, draft_misses, min(max(0.0, budget_s), 60.0), tree)
+        req = ProposeRequest(step, opens, results, d.closes, rids, ks, live, draft_misses, min(max(0.0, budget_s), 60.0), tree,
+                             [min(1.0, max(0.0, float(a))) for a in acceptance[:MAX_DRAFT_TOKENS]])
         d.opens, d.results, d.closes = [], {}, []
         return req
 
-    def propose(self, step: int, wants: dict[str, int], draft_misses: bool = True, budget_s: float = 0.0) -> ProposeOutcome:
+    def propose(self, step: int, wants: dict[str, int], draft_misses: bool = True, budget_s: float = 0.0,
+                acceptance=()) -> ProposeOutcome:
         """One request per draft that holds wanted sequences, all sent before any reply is awaited.
         ``draft_misses`` false: drafts answer from their speculation caches only; ``budget_s``: the
-        time until the next request, which the drafts size their drafting ahead to."""
+        time until the next request and ``acceptance`` the target's per-position acceptance, which the
+        drafts size their drafting ahead to."""
         out = ProposeOutcome({}, set())
         by_draft: dict[str, tuple[list[str], list[int]]] = {}
         for rid, k in wants.items():
@@ -323,7 +326,7 @@ class DraftPool:
                 # A tree is of use when it is back as the verify ends: the draft grows it for a round trip less than
                 # the time to the next request it would have without trees (the verify and a round trip).
                 budget = max(0.0, budget_s - 2 * (d.floor_s or 0.0)) if d.trees else budget_s
-                req = self._request(d, step, rids, ks, None, draft_misses, budget, d.trees)
+                req = self._request(d, step, rids, ks, None, draft_misses, budget, d.trees, acceptance)
                 if d.trees:
                     d.sent_at[step] = start
                 if local is not None:  # every block is in the tree this draft sent: it answers from the same cache

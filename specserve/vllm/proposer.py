@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..adaptive import SpeculationController, StepRecord, is_warm, observe, plan_draft_lengths
+from ..adaptive import SpeculationController, StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
 from ..config import resolve_model
 from ..devices import placement
 from ..messages import DraftProcessing, Hello, OpenSeq, VerifyResult
@@ -460,9 +460,7 @@ class RemoteDraftProposer:
                                        ((rid, self._room(rid, seq.length), seq.seeded) for rid, (_, seq) in live.items()),
                                        cache=have and self.pool.drafts_ahead, seeded=self._num_seeded > 0)
             if wants and not self.first_step_drafts:
-                for rid in opened:  # (seeded sampled requests keep their blocks from the first step, as on specserve's engine)
-                    if not self.seqs[rid].seeded:
-                        fresh = wants.pop(rid, None) is not None or fresh
+                fresh = hold_first_blocks(wants, opened, lambda rid: self.seqs[rid].seeded)
         arm = self.controller.arm if wants or not (self.controller.arm and self.controller.arm[0]) else None
         previous = self._asked[2] if self._asked is not None else None
         if not wants:  # k = 0: nothing asked; before a probe the deltas go out unawaited, so it starts warm
@@ -482,7 +480,8 @@ class RemoteDraftProposer:
         wants = {rid: k for rid, k in wants.items() if rid in self.seqs}  # (a resync reopened it: asked next step)
         cache_only = self.controller.cache_only
         with _normal_tensors():
-            outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values(), default=0)))
+            outcome = self.pool.propose(self._step, wants, not cache_only, self.controller.budget(len(live), max(wants.values(), default=0)),
+                                        self.controller.acceptance)
         handed = {}
         for rid in wants:
             seq = self.seqs[rid]

@@ -34,8 +34,8 @@ def cache_only_every_other_step(llm: LLM) -> list[list[int]]:
         controller.cache_only = bool(k) and calls[0] % 2 == 0
         return k
 
-    def propose_recording(step, wants, draft_misses=True, budget_s=0.0):
-        outcome = propose(step, wants, draft_misses, budget_s)
+    def propose_recording(step, wants, draft_misses=True, budget_s=0.0, **kwargs):
+        outcome = propose(step, wants, draft_misses, budget_s, **kwargs)
         if not draft_misses:
             answered.append([len(b.draft_token_ids) for b in outcome.blocks.values()])
         return outcome
@@ -73,23 +73,20 @@ def test_cache_only_steps_keep_sampling_exact(small_vocab_pair, ordered_draft_ah
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
-def test_the_goodput_model_prefers_cache_only_where_it_pays(batch_size):
-    """The model the metrics report (``predict``; the controller decides by measured rates): a draft that
-    hides its work (hits) but whose misses cost the whole batch a wait: at batch 8 answering from the
-    cache alone beats drafting the misses; at batch 1 with near-free misses, not."""
-    from specserve.adaptive import SpeculationController
+def test_the_model_prefers_cache_only_where_it_pays(batch_size):
+    """A draft that hides its work (hits) but whose misses cost the whole batch a wait: at batch 8
+    answering from the cache alone beats drafting the misses; at batch 1, with near-free misses, not."""
+    from specserve.adaptive import Arm, SpeculationController
 
     c = SpeculationController(4)
-    for _ in range(40):
-        for k in (0, 4):
-            c.observe_step(batch_size, k + 1, 0.010 + 0.0002 * batch_size * (k + 1), wait_s=0.001 if k else 0.0,
-                           draft_compute_s=0.0002 if k else 0.0, draft_step_s=0.002, num_blocks=batch_size if k else 0,
-                           num_hits=batch_size // 2 if k else 0, drafted_k=4 if k else 0,
-                           draft_forward_s=(0.02 if batch_size > 1 else 0.0004) if k else 0.0)
+    miss = 0.02 if batch_size > 1 else 0.0004  # seconds the misses of a drafting cycle add
+    for _ in range(12):
+        for arm, seconds in ((Arm(0, False), 0.010), (Arm(4, False), 0.012 + miss), (Arm(4, True), 0.012)):
+            for _ in range(4):
+                c.observe_cycle(batch_size, batch_size, seconds, arm)
         for pos in range(4):
             c.observe_coverage(4, 4 if pos % 2 else 0, batch_size)  # half the cache-only blocks are full, half empty
         c.observe_acceptance(4, 3)
     table = [r for r in c.predict(batch_size) if r["k"]]
     best = max(table, key=lambda r: r["tokens_per_s"])
     assert best["cache_only"] is (batch_size > 1), table
-    assert not any(r["cache_only"] for r in c.predict(batch_size, cache=False))  # no draft drafts ahead: never cache-only

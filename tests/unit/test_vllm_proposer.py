@@ -215,14 +215,19 @@ def test_k_zero_steps_send_nothing_and_the_next_block_catches_the_draft_up():
 def test_the_controller_learns_the_verify_cost_from_the_runners_steps():
     draft = FakeDraft()
     runner = FakeModelRunner(draft, adaptive=True)
+    controller = runner.drafter.controller
+    seen = []
+    observe_step = controller.observe_step
+    controller.observe_step = lambda batch_size, width, *args: seen.append((batch_size, width)) or observe_step(batch_size, width, *args)
     runner.step({"a": [1, 2, 3], "b": [4, 5]})  # a prefill step: says nothing about a verify's cost
-    assert runner.drafter.controller.target_cost == {}
+    assert seen == [] and controller.verify_s == {}
     for i in range(8):
         out = runner.step({"a": [10 + i], "b": [20 + i]})
         assert all(len(block) <= K for block in out)
     assert runner.drafter.counters["num_verify_steps"] == 8
-    fit = runner.drafter.controller.target_cost[2]  # batch 2's bucket: one sample per verify step, by width
-    assert sum(count for _, count in fit.points.values()) == 8 and set(fit.points) <= set(range(1, K + 2))
+    # one sample per verify step after the first (the cost of a step is known once the next one begins), by width
+    assert len(seen) >= 7 and {b for b, _ in seen} == {2} and {w for _, w in seen} <= set(range(1, K + 2))
+    assert {key[0] for key in controller.verify_s} == {1}  # batch 2's bucket (log2)
     assert runner.drafter.status()["speculation"]["adaptive"] is True
 
 

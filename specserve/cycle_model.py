@@ -1,0 +1,191 @@
+"""How long one engine cycle takes, as a function of the batch and the speculation arm.
+
+A cycle is everything between the ends of two engine steps: the verify forward, the wait for the
+drafts, the link, scheduling and output handling. Its seconds are modelled as a line in
+
+    x = [1, B, B*k, speculating, drafting misses * k, prompt tokens prefilled]
+
+(B sequences, k draft tokens each) plus each arm's own mean residual, shrunk toward the line, fitted
+by least squares to the last ``WINDOW`` measured cycles of every arm. Every batch-size bucket (1, 2,
+4, ...) keeps its own fit, to which a cycle contributes with a weight that falls with its distance in
+octaves of batch size, so a bucket that has never run borrows from its neighbours. An arm not run
+keeps its window: what it cost is known until it is measured again. Pure numpy; knows nothing of
+engines or drafts.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import deque
+
+import numpy as np
+
+NUM_FEATURES = 6
+MAX_BUCKET_LOG2 = 12  # buckets 1 .. 4096 sequences
+WINDOW = 32  # measured cycles kept per arm and bucket
+KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
+ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
+DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
+OUTLIER = 3.0  # a cycle over this multiple of its arm's window's median counts as that much
+
+
+def bucket_of(batch_size: int) -> int:
+    """The bucket (log2 of a power of two) whose fit decides for ``batch_size``: the nearest in octaves."""
+    return min(MAX_BUCKET_LOG2, max(0, round(math.log2(max(1, batch_size)))))
+
+
+def features(batch_size: int, k: int, cache_only: bool, prefill_tokens: int = 0) -> np.ndarray:
+    spec = 1.0 if k else 0.0
+    return np.array([1.0, batch_size, batch_size * k, spec, spec * (not cache_only) * k, prefill_tokens], dtype=np.float64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _features_of(batch_size: int, arms: tuple) -> np.ndarray:
+    return np.array([features(batch_size, k, c) for k, c in arms])
+
+
+@functools.lru_cache(maxsize=4096)
+def _weights(batch_size: int) -> list[tuple[int, float]]:
+    """The buckets a cycle at ``batch_size`` informs, and its weight in each."""
+    where = math.log2(max(1, batch_size))
+    near = range(max(0, bucket_of(batch_size) - 2), min(MAX_BUCKET_LOG2, bucket_of(batch_size) + 2) + 1)
+    return [(b, w) for b in near if (w := math.exp(-0.5 * ((where - b) / KERNEL_OCTAVES) ** 2)) >= 0.2]
+
+
+class _Fit:
+    """One bucket's sums over the windows it sees: X'WX, X'Wy and, per arm, sum w x, sum w y, sum w."""
+
+    __slots__ = ("xx", "xy", "arms", "weight", "theta", "inv", "dirty", "sq", "sqw")
+
+    def __init__(self):
+        self.xx = np.zeros((NUM_FEATURES, NUM_FEATURES))
+        self.xy = np.zeros(NUM_FEATURES)
+        self.arms: dict[tuple, list] = {}
+        self.weight = 0.0
+        self.theta = np.zeros(NUM_FEATURES)
+        self.inv = np.zeros((NUM_FEATURES, NUM_FEATURES))  # (X'WX)^-1: the coefficients' covariance over the noise
+        self.dirty = False
+        self.sq = self.sqw = 0.0  # faded sum of squared relative residuals (one cycle's noise) and its weight
+
+    def add(self, arm: tuple, x: np.ndarray, xx: np.ndarray | None, seconds: float, w: float) -> None:
+        """A row of weight ``w`` (negative: taken out); ``xx`` None: only its seconds change by ``seconds``."""
+        a = self.arms.get(arm)
+        if a is None:
+            a = self.arms[arm] = [np.zeros(NUM_FEATURES), 0.0, 0.0]
+        if xx is not None:
+            self.xx += w * xx
+            a[0] += w * x
+            a[2] += w
+            self.weight += w
+        self.xy += (w * seconds) * x
+        a[1] += w * seconds
+        self.dirty = True
+
+    def solve(self) -> np.ndarray:
+        if self.dirty:
+            self.inv = np.linalg.inv(self.xx + np.diag(DAMPING * np.diag(self.xx) + 1e-9))
+            self.theta = self.inv @ self.xy
+            self.dirty = False
+        return self.theta
+
+    def predict(self, x: np.ndarray, arm: tuple) -> float:
+        theta = self.solve()
+        a = self.arms.get(arm)
+        offset = 0.0 if a is None else (a[1] - float(theta @ a[0])) / (a[2] + ARM_PRIOR_CYCLES)
+        return max(1e-6, float(theta @ x) + offset)
+
+    def predict_many(self, xs: np.ndarray, arms: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+        """Each arm's seconds, and x' (X'WX)^-1 x: its prediction's variance over the noise's."""
+        theta = self.solve()
+        out = xs @ theta
+        for i, arm in enumerate(arms):
+            a = self.arms.get(arm)
+            if a is not None:
+                out[i] += (a[1] - float(theta @ a[0])) / (a[2] + ARM_PRIOR_CYCLES)
+        return np.maximum(out, 1e-6), np.maximum(0.0, np.einsum("ij,jk,ik->i", xs, self.inv, xs))
+
+
+class CycleModel:
+    def __init__(self):
+        self.fits: dict[int, _Fit] = {}
+        self.windows: dict[tuple, deque] = {}  # (arm, bucket) -> its last WINDOW cycles: [batch size, x, x x', seconds]
+        self._seen = 0
+
+    def add(self, batch_size: int, arm: tuple, prefill_tokens: int, seconds: float) -> None:
+        arm = tuple(arm)
+        x = features(batch_size, arm[0], arm[1], prefill_tokens)
+        own = self.fits.get(bucket_of(batch_size))
+        self._seen += 1
+        if own is not None and own.weight > 1.0 and self._seen % 4 == 0:  # the noise, sampled: it moves slowly
+            predicted = own.predict(x, arm)
+            own.sq = 0.97 * own.sq + min(4.0, ((seconds - predicted) / predicted) ** 2)
+            own.sqw = 0.97 * own.sqw + 1.0
+        window = self.windows.setdefault((arm, bucket_of(batch_size)), deque())
+        row = [batch_size, x, np.outer(x, x), seconds]
+        window.append(row)
+        self._spread(arm, row, seconds, 1.0)
+        if len(window) > WINDOW:
+            old = window.popleft()
+            self._spread(arm, old, old[3], -1.0)
+        if len(window) >= 3:  # one stall (a garbage collection, a busy host) must not decide between arms
+            ordered = sorted(r[3] for r in window)
+            cap = OUTLIER * ordered[len(ordered) // 2]
+            for r in window:
+                if r[3] > cap:
+                    self._spread(arm, r, cap - r[3], 1.0, moved=True)
+                    r[3] = cap
+
+    def _spread(self, arm: tuple, row: list, seconds: float, sign: float, moved: bool = False) -> None:
+        """Add (sign 1) or take out (-1) a window row in every bucket it informs; ``moved``: only its seconds change."""
+        batch_size, x, xx, _ = row
+        for b, w in _weights(batch_size):
+            fit = self.fits.get(b)
+            if fit is None:
+                fit = self.fits[b] = _Fit()
+            fit.add(arm, x, None if moved else xx, seconds, sign * w)
+
+    def _fit(self, batch_size: int) -> _Fit | None:
+        fit = self.fits.get(bucket_of(batch_size))
+        return fit if fit is not None and fit.weight > 0.05 else None
+
+    def known(self, batch_size: int) -> bool:
+        """Whether any cycle informs this batch size's bucket."""
+        return self._fit(batch_size) is not None
+
+    def seconds(self, batch_size: int, arm: tuple, prefill_tokens: int = 0) -> float | None:
+        """Predicted seconds of a cycle of ``arm`` at ``batch_size`` (None: nothing measured near it)."""
+        fit = self._fit(batch_size)
+        return None if fit is None else fit.predict(features(batch_size, arm[0], arm[1], prefill_tokens), tuple(arm))
+
+    def predict_all(self, batch_size: int, arms: tuple) -> tuple[np.ndarray, np.ndarray] | None:
+        """``seconds`` of each arm (no prompt tokens) and ``uncertainty`` of each, in one product."""
+        fit = self._fit(batch_size)
+        if fit is None:
+            return None
+        seconds, spread = fit.predict_many(_features_of(batch_size, arms), arms)
+        return seconds, self.noise(batch_size) * np.sqrt(spread)
+
+    def noise(self, batch_size: int) -> float:
+        """Relative standard deviation of one cycle around its prediction in this bucket (0.2 before any)."""
+        fit = self._fit(batch_size)
+        return 0.2 if fit is None or fit.sqw < 4 else math.sqrt(fit.sq / fit.sqw)
+
+    def uncertainty(self, batch_size: int, arm: tuple) -> float:
+        """Relative standard error of ``seconds``' prediction (large where no cycle informs it)."""
+        fit = self._fit(batch_size)
+        if fit is None:
+            return float("inf")
+        fit.solve()
+        x = features(batch_size, arm[0], arm[1])
+        return self.noise(batch_size) * math.sqrt(max(0.0, float(x @ fit.inv @ x)))
+
+    def cycles(self, batch_size: int, arm: tuple) -> float:
+        """Measured cycles of ``arm`` this batch size's bucket sees (kernel-weighted)."""
+        fit = self._fit(batch_size)
+        a = fit.arms.get(tuple(arm)) if fit is not None else None
+        return 0.0 if a is None else a[2]
+
+    def coefficients(self, batch_size: int) -> list[float] | None:
+        fit = self._fit(batch_size)
+        return None if fit is None else [float(t) for t in fit.solve()]
