@@ -90,8 +90,9 @@ class _Bucket:
 
 
 class SpeculationController:
-    def __init__(self, max_k: int, adaptive: bool = True, trace: bool | None = None):
-        self.max_k, self.adaptive = max_k, adaptive
+    def __init__(self, max_k: int, adaptive: bool = True, trace: bool | None = None, cache_only: bool = False):
+        """``cache_only``: not adaptive, the fixed arm answers from the drafts' caches alone (where they draft ahead)."""
+        self.max_k, self.adaptive, self.fixed_cache_only = max_k, adaptive, cache_only
         self.model = CycleModel()
         self.acceptance = [PRIOR_ACCEPTANCE] * max(max_k, 1)
         self._acceptance_n = [0] * max(max_k, 1)
@@ -165,7 +166,7 @@ class SpeculationController:
         if not have_draft or self.max_k == 0:
             return None
         if not self.adaptive:
-            return Arm(self.max_k, False)
+            return Arm(self.max_k, self.fixed_cache_only and cache)
         st = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         st.choices += 1
         if st.current is None and not self.model.known(batch_size):

@@ -144,7 +144,7 @@ def build_engine_loop(cfg: SpecserveConfig, link: DraftLink | None, name: str = 
     if fc is not None:
         target.hidden_fc = (fc[0].to(device=target.backend.device, dtype=target.backend.dtype), fc[1])
     spec = cfg.speculation
-    controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive)
+    controller = SpeculationController(spec.num_speculative_tokens if cfg.speculative else 0, spec.adaptive, cache_only=spec.cache_only)
     core = EngineCore(target, None, controller, cfg.engine.max_num_seqs)
     core.first_step_drafts = spec.first_step_drafts
     if link is not None:

@@ -146,6 +146,7 @@ class DraftConfig(SideConfig):
 class SpeculationConfig(_Section):
     num_speculative_tokens: int = Field(4, ge=0, le=32, description="Draft tokens per step (k); the most when adaptive. 0: target-only.")
     adaptive: bool = Field(True, description="Choose k each step from measured acceptance and costs (k=0 when speculation does not pay), and whether a draft answers from its speculation cache alone; both target engines (specserve's, vLLM's).")
+    cache_only: bool = Field(False, description="With adaptive false: drafts answer from their speculation caches alone (a block holds what was drafted ahead; nothing is drafted while the target waits), to measure that arm; adaptive chooses it per step where a draft drafts ahead.")
     draft_probs: bool = Field(True, description="Sampled requests: the draft samples and sends its probabilities (else greedy point-mass drafts).")
     draft_ahead: bool | Literal["auto"] = Field("auto", description="While the target verifies, the draft drafts ahead for the likeliest verdicts (speculation cache); auto: wherever the draft has compute of its own (another host, another GPU, or CPU cores disjoint from the target's), off where it would take the target's.")
     draft_ahead_preempt: bool = Field(True, description="Stop drafting ahead as soon as the next request arrives; false finishes the tree first (deterministic hits, for tests and measurements).")

@@ -97,7 +97,8 @@ class RemoteDraftProposer:
         # position, and vLLM rolls it back assuming every decoding row carries k drafts (its own MTP always
         # proposes k): each row then gets exactly k, short blocks padded, k fixed (``_uniform``).
         self.uniform = _is_hybrid(vllm_config)
-        self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)) and not self.uniform)
+        self.controller = SpeculationController(self.k, adaptive=bool(opts.get("adaptive", True)) and not self.uniform,
+                                                cache_only=bool(opts.get("cache_only", False)) and not self.uniform)
         # A sequence whose prompt this step prefilled asks no block yet (speculation.first_step_drafts off): its
         # open goes out now, and the draft prefills it and drafts its first block ahead while the target runs the
         # next step, instead of the whole batch (and this first token's delivery) waiting for that here.

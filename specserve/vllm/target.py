@@ -69,7 +69,7 @@ class VLLMEngineCore(RequestQueue):
             self._key = links.park(link)
             extra["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": self.k}
             opts = {"link": self._key, "min_timeout_s": spec.draft_min_timeout_s, "max_timeout_s": spec.draft_timeout_s,
-                    "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id, "adaptive": spec.adaptive,
+                    "delay_ms": cfg.channel.delay_ms, "target_id": link.target_id, "adaptive": spec.adaptive, "cache_only": spec.cache_only,
                     "first_step_drafts": spec.first_step_drafts, "draft_trees": spec.draft_trees,
                     "head_fc": cfg.speculation.head_fc, "head": cfg.draft.model if cfg.draft is not None and cfg.draft.backend == "hf" else None}
             if t.tensor_parallel_size > 1 or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
