@@ -51,8 +51,9 @@ class Arm(NamedTuple):
 
 TARGET_ONLY = Arm(0, False)
 SETTLE = 2
-RUN = SETTLE + 3  # cycles of a warm-up arm or an exploration: SETTLE unmeasured, then measured
-EXPLORE_MIN, EXPLORE_MAX = 16, 512
+RUN = SETTLE + 3  # cycles of a warm-up arm: SETTLE unmeasured, then measured
+PROBE = SETTLE + 2  # cycles of an exploration
+EXPLORE_MIN, EXPLORE_MAX = 32, 512
 OPTIMISM = 2.0
 HYSTERESIS = 0.02
 DECIDE_EVERY = 4  # choices between two looks at the predictions (they move slowly; a look costs ~50 us)
@@ -82,8 +83,8 @@ class _Bucket:
     current: Arm | None = None
     queued: list = field(default_factory=list)  # arms of the next choices (warm-up, an exploration)
     choices: int = 0
-    interval: int = 16  # choices between explorations
-    next_explore: int = 16
+    interval: int = EXPLORE_MIN  # choices between explorations
+    next_explore: int = EXPLORE_MIN
     explored: Arm | None = None  # the arm of the exploration under way
     next_forced: int = EXPLORE_MAX  # the next exploration that runs whatever the predictions
     last_run: dict = field(default_factory=dict)  # arm -> the choice it last ran at
@@ -211,7 +212,7 @@ class SpeculationController:
             if probe is not None and optimistic[probe] <= mine * (1 + HYSTERESIS):
                 probe = None
         if probe is not None:
-            st.explored, st.queued = probe, [probe] * RUN
+            st.explored, st.queued = probe, [probe] * PROBE
         else:
             st.interval = min(2 * st.interval, EXPLORE_MAX)
             st.next_explore = st.choices + st.interval

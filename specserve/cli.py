@@ -1,4 +1,4 @@
-"""``specserve`` command line: ``demo``, ``serve`` (OpenAI HTTP), ``generate`` (batch JSONL), ``draft``, ``config``.
+"""``specserve`` command line: ``demo``, ``serve`` (OpenAI HTTP), ``generate`` (batch JSONL), ``draft``, ``plan``, ``config``.
 
 Every configuration flag is generated from the schema (``specserve.config``): one flag per
 field, named as in Python (``--draft-num-gpus`` / ``draft_num_gpus=``), with the schema's
@@ -150,11 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="the shipped demo pair on a local 2-node Ray cluster, over HTTP; prints text, "
+    demo = sub.add_parser("demo", help="a demo pair on a local 2-node Ray cluster, over HTTP; prints text, "
                           "speculation stats and tokens/s against target-only")
     demo.add_argument("--once", action="store_true", help="exit after the demo requests instead of serving")
+    demo.add_argument("--pair", default=None, choices=("realistic", "tiny"),
+                      help="realistic: a deep target built once from the shipped target (same outputs, the cost of a big target "
+                           "beside a small draft) and cached in ~/.cache/specserve; tiny: the shipped pair as is (default: "
+                           "realistic; tiny with --draft demo:eagle)")
     demo.add_argument("--draft", default="demo:draft", choices=("demo:draft", "demo:eagle"),
-                      help="the demo's draft: the small draft model, or the EAGLE-3 head trained for the target (default: demo:draft)")
+                      help="the demo's draft: the small draft model, or the EAGLE-3 head trained for the tiny target "
+                           "(default: demo:draft)")
     demo.add_argument("--host", default="127.0.0.1", help="HTTP host (default: 127.0.0.1)")
     demo.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
     demo.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step, the most when adaptive (default: 4)")
@@ -188,6 +193,29 @@ def build_parser() -> argparse.ArgumentParser:
     from .draft_cli import add_draft_parser
 
     add_draft_parser(sub)
+
+    plan = sub.add_parser("plan", help="predict tokens/s before deploying: target-only, colocated and remote drafting at "
+                          "batch 1, 8 and 32, the k the controller would run, and which deployment (or draft) to use")
+    plan.add_argument("--target", required=True, help="a simulator profile '<model>-<device>' (e.g. qwen3-32b-dgx-spark), or "
+                      "with --measure a model (directory or hub id)")
+    plan.add_argument("--draft", required=True, action="append", help="the same for the draft; repeat to compare drafts")
+    plan.add_argument("--link", default="10gbe", help="link profile between the two machines (default: 10gbe)")
+    plan.add_argument("--acceptance", action="append", default=None, help="greedy acceptance per draft position: one "
+                      "probability or one per position, comma-separated; repeat once per --draft (default: 0.7; --measure "
+                      "measures it)")
+    plan.add_argument("--step-overhead-ms", type=float, default=0.0, help="the engine's own work per step beyond the "
+                      "forwards (default: 0)")
+    plan.add_argument("--hit", type=float, default=0.9, help="chance the draft foresees a verdict while drafting ahead "
+                      "(the speculation cache's hit rate; default: 0.9)")
+    plan.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default: 1,8,32)")
+    plan.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="the largest k (default: 4)")
+    plan.add_argument("--context", type=int, default=512, help="tokens per sequence the target attends to (default: 512)")
+    plan.add_argument("--measure", action="store_true", help="run the real pair briefly on --prompts instead of profiles")
+    plan.add_argument("--prompts", default=None, help="with --measure: JSONL of {'prompt': ...} lines (default: a few built in)")
+    plan.add_argument("--max-tokens", type=int, default=64, help="with --measure: tokens per request (default: 64)")
+    plan.add_argument("--ray", action="store_true", help="with --measure: run the sides as Ray actors placed by label "
+                      "(on the cluster --address / RAY_ADDRESS names), as they will be deployed")
+    plan.add_argument("--address", default=None, help="with --measure --ray: the Ray cluster to join")
 
     cfg = sub.add_parser("config", help="print the configuration (defaults, --config file and flags) as YAML")
     add_config_flags(cfg)
@@ -269,6 +297,35 @@ def cmd_generate(args) -> int:
     return min(stats.failed, 100)
 
 
+def cmd_plan(args) -> int:
+    from . import plan
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    if any(b < 1 for b in batch_sizes) or args.num_speculative_tokens < 1:
+        raise ValueError(f"--batch-sizes and -k must be >= 1, got {args.batch_sizes!r} and {args.num_speculative_tokens}")
+    acceptances = args.acceptance or ["0.7"]
+    if len(acceptances) not in (1, len(args.draft)):
+        raise ValueError(f"give --acceptance once, or once per --draft ({len(args.draft)}), not {len(acceptances)} times")
+    rows = []
+    for i, draft in enumerate(args.draft):
+        if args.measure:
+            prompts = plan.read_prompts(args.prompts) if args.prompts else list(plan.DEFAULT_PROMPTS)
+            kw = dict(ray=True, address=args.address) if args.ray else {}
+            got = plan.measure(args.target, draft, prompts, batch_sizes, args.max_tokens,
+                               num_speculative_tokens=args.num_speculative_tokens, **kw)
+        else:
+            acceptance = [float(a) for a in acceptances[i if len(acceptances) > 1 else 0].split(",")]
+            got = plan.predict(args.target, draft, args.link, acceptance[0] if len(acceptance) == 1 else acceptance,
+                               batch_sizes, args.num_speculative_tokens, args.hit, args.context, args.step_overhead_ms / 1e3)
+        print(plan.report(got, f"\n{args.target} + draft {draft}" + ("" if args.measure else f" over {args.link}")))
+        rows += [{**r, "deployment": r["deployment"] if len(args.draft) == 1 or r["deployment"] == "target-only"
+                  else f"{r['deployment']} ({draft})"} for r in got]
+    print()
+    for line in plan.recommend(rows):
+        print(line)
+    return 0
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -299,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             from .draft_cli import run_draft
 
             return run_draft(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         return cmd_generate(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as exc:
         print(f"specserve: error: {exc}", file=sys.stderr)

@@ -1,0 +1,137 @@
+"""Which arms would a controller run on recorded cycles, and what rate do its choices imply?
+
+The traces ``bench_oracle --traces`` saves hold, per setting and batch size, every fixed arm's
+recorded steps (the cycle's seconds and tokens, each block's acceptance, each cache-only block's
+coverage). A replay asks the controller for an arm at each step and answers with that arm's next
+recorded step, so a controller can be compared with the best fixed arm, and with another
+controller, on the same recorded data: offline, in seconds, untouched by the machine's noise.
+``--baseline-rev`` loads a second controller (``specserve/adaptive.py``) from a git revision.
+
+    python -m benchmarks.bench_replay --traces benchmarks/results/bench_oracle/traces.json.gz
+    python -m benchmarks.bench_replay --traces T.json.gz --baseline-rev v0.2.0 --steps 400
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+
+def load_traces(path: str | Path) -> dict:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def arm_of(name: str) -> tuple[int, bool]:
+    if name == "target-only":
+        return (0, False)
+    k, _, mode = name.removeprefix("k=").partition(" ")
+    return (int(k), mode == "cache-only")
+
+
+def replay(controller, arms: dict, batch: int, steps: int) -> dict:
+    """Drive ``controller`` for ``steps`` choices on the recorded ``arms`` ({arm: [step, ...]}); what it ran and delivered."""
+    cursor = {arm: 0 for arm in arms}
+    ran, tokens, seconds = {}, 0, 0.0
+    for _ in range(steps):
+        controller.choose(batch, True, True)
+        arm = tuple(controller.arm)
+        recorded = arms.get(arm)
+        if not recorded:  # never measured here: run the nearest recorded k of the same mode
+            arm = min(arms, key=lambda a: (a[1] != arm[1], abs(a[0] - arm[0])))
+            recorded = arms[arm]
+        step = recorded[cursor[arm] % len(recorded)]
+        cursor[arm] += 1
+        for drafted, accepted in step["acceptance"]:
+            controller.observe_acceptance(drafted, accepted)
+        for asked, got in step["coverage"]:
+            controller.observe_coverage(asked, got, batch)
+        controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"])
+        ran[arm] = ran.get(arm, 0) + 1
+        tokens, seconds = tokens + step["tokens"], seconds + step["seconds"]
+    return {"ran": ran, "tokens_per_s": tokens / seconds if seconds else 0.0}
+
+
+def fixed_rates(arms: dict) -> dict:
+    return {arm: sum(s["tokens"] for s in rec) / sum(s["seconds"] for s in rec) for arm, rec in arms.items() if rec}
+
+
+def controller_from_rev(rev: str):
+    """The SpeculationController class of ``specserve/adaptive.py`` at a git revision (a pure-Python module)."""
+    source = subprocess.run(["git", "show", f"{rev}:specserve/adaptive.py"], capture_output=True, text=True, check=True).stdout
+    module = types.ModuleType(f"adaptive_{rev}")
+    module.__dict__["__name__"] = module.__name__
+    sys.modules[module.__name__] = module  # (dataclasses look the module up)
+    exec(compile(source, f"{rev}:specserve/adaptive.py", "exec"), module.__dict__)
+    return module.SpeculationController
+
+
+def run(traces: dict, controllers: dict, steps: int) -> list[dict]:
+    rows = []
+    k = traces["k"]
+    for setting, by_batch in traces["settings"].items():
+        for batch, recorded in by_batch.items():
+            arms = {arm_of(name): [s for s in rec if s["batch"] == int(batch)] for name, rec in recorded.items()}
+            arms = {a: rec for a, rec in arms.items() if rec}
+            rates = fixed_rates(arms)
+            best = max(rates, key=rates.get)
+            row = {"setting": setting, "batch": int(batch), "best": best, "best_tokens_per_s": rates[best]}
+            for name, make in controllers.items():
+                ctrl = make(k)
+                replay(ctrl, arms, int(batch), steps)  # its warm-up, as the timed runs had one
+                got = replay(ctrl, arms, int(batch), steps)
+                row[name] = {"over_best": got["tokens_per_s"] / rates[best], "ran": got["ran"]}
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], names: list[str]) -> str:
+    def arm(a) -> str:
+        return "target-only" if not a[0] else f"k={a[0]}{'c' if a[1] else ''}"
+
+    lines = ["| setting | batch | best fixed arm | " + " | ".join(f"{n} / best | {n}: most run" for n in names) + " |",
+             "|---|---:|---|" + "---:|---|" * len(names)]
+    for r in rows:
+        cells = []
+        for n in names:
+            ran = r[n]["ran"]
+            top = max(ran, key=ran.get)
+            cells += [f"{r[n]['over_best']:.3f}", f"{arm(top)} ({ran[top] / sum(ran.values()):.0%})"]
+        lines.append(f"| {r['setting']} | {r['batch']} | {arm(r['best'])} | " + " | ".join(cells) + " |")
+    for n in names:
+        ratios = [r[n]["over_best"] for r in rows]
+        lines.append(f"\n{n}: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} of the best fixed arm")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from specserve.adaptive import SpeculationController
+
+    from .cli import header, parser
+
+    p = parser("benchmarks.bench_replay", __doc__)
+    p.add_argument("--traces", required=True, help="traces.json(.gz) written by bench_oracle --traces")
+    p.add_argument("--steps", type=int, default=300, help="choices per replay (after as many of warm-up)")
+    p.add_argument("--baseline-rev", default=None, help="also replay the controller of this git revision")
+    p.add_argument("--out", default=None, help="write the table to this markdown file too")
+    a = p.parse_args(argv)
+    controllers = {"adaptive": lambda k: SpeculationController(k, trace=False)}
+    if a.baseline_rev:
+        old = controller_from_rev(a.baseline_rev)
+        controllers[a.baseline_rev] = lambda k: old(k)
+    rows = run(load_traces(a.traces), controllers, a.steps)
+    table = header("benchmarks.bench_replay", argv) + "\n\n" + markdown(rows, list(controllers))
+    print(table)
+    if a.out:
+        Path(a.out).write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""``specserve plan``: the tokens/s to expect before deploying, from the controller's own model.
+
+An arm (k, mode) delivers B x E tokens per cycle of T seconds, E from the acceptance as the
+controller computes it (``SpeculationController.expected_tokens``). T comes from one of two sources:
+
+- profiles: the simulator's device, model and link YAMLs (``backends/sim_profiles``), per deployment:
+  target-only; the draft colocated on the target's device (drafting and verifying in turn); the draft
+  remote without drafting ahead (k draft forwards and a round trip per cycle); the draft remote and
+  drafting ahead (its tree grown during the verify: a foreseen verdict costs only the round trip);
+- measured: a short run of the real pair on the user's prompts, after which the controller's fitted
+  cycle model and measured acceptance give every arm's rate (``predicted_tokens_per_s``).
+
+The arm with the most tokens per second is the one the controller runs. Knows nothing of Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from .adaptive import HYSTERESIS, TARGET_ONLY, Arm, SpeculationController
+
+DEPLOYMENTS = ("target-only", "colocated", "remote", "remote, drafting ahead")
+DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
+                   "The quick brown fox", "SELECT name FROM users WHERE", "Once upon a time,")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of the pieces of a cycle at one batch size, from profiles."""
+
+    verify: dict[int, float]  # k -> the target's forward over k + 1 tokens per sequence
+    draft: float  # one draft forward (a token per sequence) on the draft's device
+    draft_on_target: float  # the same on the target's device
+    tree_depth: float  # one depth of the speculation tree (fanout rows per sequence)
+    rtt: float  # the link's round trip for one step's message
+
+
+def profile_costs(target: str, draft: str, link: str, batch_size: int, k: int, context: int = 512, fanout: int = 4,
+                  overhead_s: float = 0.0, time_scale: float = 1.0) -> Costs:
+    """``overhead_s``: the engine's own work per cycle (scheduling, sampling, output handling), on top of
+    the forwards; ``time_scale``: every modelled time multiplied by it, as the simulator's option."""
+    from .backends.sim_latency import load_link, load_profile
+
+    t, d, ln = load_profile(target), load_profile(draft), load_link(link)
+    on_target = load_profile({"model": _fields(d.model), "hardware": _fields(t.hardware)})
+    rows, ctx, s = [1] * batch_size, [context] * batch_size, time_scale
+    message = 256 + 16 * batch_size * (k + 2)  # token ids and a sequence's delta, both ways
+    return Costs({j: s * t.forward_s([j + 1] * batch_size, ctx) + overhead_s for j in range(k + 1)}, s * d.forward_s(rows, ctx),
+                 s * on_target.forward_s(rows, ctx), s * d.forward_s([fanout] * batch_size, ctx), 2 * s * ln.one_way_s(message))
+
+
+def _fields(spec) -> dict:
+    return {k: v for k, v in vars(spec).items() if k != "name"}
+
+
+def cycle_seconds(c: Costs, deployment: str, arm: Arm, batch_size: int, hit: float) -> float | None:
+    """A cycle of ``arm`` in ``deployment``; None where the arm does not exist there. ``hit``: the chance
+    the draft foresaw a sequence's verdict (its tree holds the block asked for)."""
+    k, cache_only = arm
+    if k == 0:
+        return c.verify[0]
+    if deployment == "target-only" or (cache_only and deployment != "remote, drafting ahead"):
+        return None
+    if deployment == "colocated":
+        return c.verify[k] + k * c.draft_on_target
+    if deployment == "remote":
+        return c.verify[k] + c.rtt + k * c.draft
+    if cache_only:
+        return c.verify[k] + c.rtt
+    missed = 1.0 - hit ** batch_size  # one miss holds the batch for a block drafted now
+    return c.verify[k] + c.rtt + (missed * k + (1 - missed) * max(0, k - tree_depth(c, k))) * c.draft
+
+
+def tree_depth(c: Costs, k: int) -> int:
+    """Depths of the speculation tree that fit in the time a verify and the link leave the draft."""
+    return max(0, math.floor((c.verify[k] + c.rtt - c.draft) / c.tree_depth))
+
+
+def predict(target: str, draft: str, link: str, acceptance: float | list[float], batch_sizes=(1, 8, 32), k: int = 4,
+            hit: float = 0.9, context: int = 512, overhead_s: float = 0.0, time_scale: float = 1.0) -> list[dict]:
+    """Per batch size and deployment: the best arm and its tokens/s (``rates``: every arm's), from profiles."""
+    per_pos = [acceptance] * k if isinstance(acceptance, (int, float)) else list(acceptance)[:k]
+    if len(per_pos) < k or not all(0.0 <= a <= 1.0 for a in per_pos):
+        raise ValueError(f"acceptance must be a probability (or {k} of them, one per draft position), got {acceptance!r}")
+    ctrl = SpeculationController(k)
+    ctrl.acceptance = per_pos
+    rows = []
+    for b in batch_sizes:
+        c = profile_costs(target, draft, link, b, k, context, overhead_s=overhead_s, time_scale=time_scale)
+        depth = tree_depth(c, k)
+        ctrl.coverage[round(math.log2(b))] = [hit if j < depth else 0.0 for j in range(k)]
+        for deployment in DEPLOYMENTS:
+            rates = {}
+            for arm in ctrl.arms(True):
+                seconds = cycle_seconds(c, deployment, arm, b, hit)
+                if seconds is not None:
+                    rates[arm] = b * ctrl.expected_tokens(arm.k, arm.cache_only, b) / seconds
+            best = max(rates, key=rates.get)
+            rows.append({"batch_size": b, "deployment": deployment, "arm": best, "tokens_per_s": rates[best], "rates": rates,
+                         "target_only_tokens_per_s": rates[TARGET_ONLY], "tree_depth": depth, "rtt_ms": c.rtt * 1e3})
+    return rows
+
+
+def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_tokens: int = 64, **llm_kwargs) -> list[dict]:
+    """Per batch size (a power of two: the controller's buckets): run the pair on ``prompts`` (B in flight,
+    greedy) with the adaptive default, then read the controller's predictions for every arm (its fitted
+    cycle model, its measured acceptance)."""
+    if any(b < 1 or b & (b - 1) for b in batch_sizes):
+        raise ValueError(f"measured batch sizes must be powers of two (the controller's buckets), got {list(batch_sizes)}")
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    with LLM(target, draft=draft, **llm_kwargs) as llm:
+        for b in batch_sizes:
+            load = [prompts[i % len(prompts)] for i in range(max(4 * b, 8))]  # enough cycles for a bucket's warm-up
+            llm.generate(load, params, use_tqdm=False, max_in_flight=b)
+            spec = llm.metrics().get("speculation") or {}
+            rates = {_arm(key.split("/")[1]): rate for key, rate in (spec.get("predicted_tokens_per_s") or {}).items()
+                     if key.split("/")[0] == str(b)}
+            if not rates:
+                raise ValueError(f"batch {b}: the controller measured no cycles (is the draft connected? k > 0?)")
+            best = max(rates, key=rates.get)
+            rows.append({"batch_size": b, "deployment": "measured", "arm": best, "tokens_per_s": rates[best],
+                         "target_only_tokens_per_s": rates.get(TARGET_ONLY, 0.0), "acceptance_per_pos": spec.get("acceptance_per_pos")})
+    return rows
+
+
+def _arm(text: str) -> Arm:
+    return Arm(int(text.rstrip("c")), text.endswith("c"))
+
+
+def arm_text(arm: Arm) -> str:
+    return "target-only" if not arm.k else f"k={arm.k}{', cache-only' if arm.cache_only else ''}"
+
+
+def report(rows: list[dict], label: str = "") -> str:
+    lines = [f"{label}", "| batch | deployment | the controller runs | tokens/s | vs target-only |", "|---:|---|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['deployment']} | {arm_text(r['arm'])} | {r['tokens_per_s']:.1f} "
+                     f"| {r['tokens_per_s'] / r['target_only_tokens_per_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def recommend(rows: list[dict]) -> list[str]:
+    """One line per batch size: disaggregate or not, with which draft and arm, against the alternatives."""
+    out = []
+    for b in sorted({r["batch_size"] for r in rows}):
+        group = [r for r in rows if r["batch_size"] == b]
+        best = max(group, key=lambda r: r["tokens_per_s"])
+        base = best["target_only_tokens_per_s"]
+        colocated = max((r for r in group if r["deployment"].startswith("colocated")), key=lambda r: r["tokens_per_s"], default=None)
+        remote = max((r for r in group if r["deployment"].startswith("remote")), key=lambda r: r["tokens_per_s"], default=None)
+        if not best["arm"].k or best["tokens_per_s"] < base * (1 + HYSTERESIS):
+            out.append(f"batch {b}: speculation does not pay: serve target-only ({base:.1f} tok/s)")
+            continue
+        verdict = ("disaggregate" if best["deployment"].startswith("remote") else
+                   "keep the draft beside the target" if best["deployment"].startswith("colocated") else "speculate")
+        other = colocated if best is remote else remote
+        versus = f", {best['tokens_per_s'] / other['tokens_per_s']:.2f}x {other['deployment']}" if other is not None else ""
+        out.append(f"batch {b}: {verdict}: {best['deployment']}, {arm_text(best['arm'])}: {best['tokens_per_s']:.1f} tok/s "
+                   f"({best['tokens_per_s'] / base:.2f}x target-only{versus})")
+    return out
+
+
+def read_prompts(path: str) -> list:
+    """Prompts from JSONL: one {"prompt": text} or {"prompt_token_ids": [...]} per line."""
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not isinstance(row, dict) or not ("prompt" in row or "prompt_token_ids" in row):
+                raise ValueError(f"{path}:{n + 1}: expected {{\"prompt\": ...}} or {{\"prompt_token_ids\": [...]}}")
+            prompts.append(row.get("prompt", row.get("prompt_token_ids")))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts

@@ -1,0 +1,65 @@
+"""``specserve plan``: its prediction from profiles against a run of the simulator with the same
+profiles, and its command line."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.adaptive import Arm
+from specserve.plan import predict
+
+TARGET, DRAFT, SCALE = "qwen3-8b-h100", "qwen3-0.6b-h100", 8.0  # a ~50 ms target step, a ~6 ms draft step
+
+
+def sim_run(batch: int, **kw) -> float:
+    """Tokens/s of a timed run (after an untimed one) of the simulated pair in one process."""
+    r = random.Random(0)
+    prompts = [[r.randrange(1024) for _ in range(32)] for _ in range(2 * batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    options = {"time_scale": SCALE, "vocab_size": 1024}
+    with LLM(f"sim:{TARGET}", draft=f"sim:{DRAFT}", target_backend="sim", draft_backend="sim", cpu_threads=1,
+             target_backend_options={**options, "profile": TARGET},
+             draft_backend_options={**options, "profile": DRAFT, "acceptance": 0.7}, **kw) as llm:
+        llm.generate(prompts, params, use_tqdm=False, max_in_flight=batch)
+        import time
+
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False, max_in_flight=batch)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_the_plan_predicts_the_simulated_pair_within_ten_percent(batch):
+    # In one process the draft drafts on the critical path, with no link: the plan's "remote" over loopback.
+    (row,) = [r for r in predict(TARGET, DRAFT, "same-host", 0.7, [batch], k=3, context=64, time_scale=SCALE)
+              if r["deployment"] == "remote"]
+    fixed = sim_run(batch, num_speculative_tokens=3, adaptive=False)
+    assert fixed == pytest.approx(row["rates"][Arm(3, False)], rel=0.10)
+    adaptive = sim_run(batch, num_speculative_tokens=3)
+    assert adaptive == pytest.approx(row["tokens_per_s"], rel=0.10), row["arm"]
+
+
+def test_the_command_prints_each_deployment_and_a_recommendation():
+    out = subprocess.run([sys.executable, "-m", "specserve.cli", "plan", "--target", "qwen3-32b-dgx-spark", "--draft",
+                          "qwen3-1.7b-rtx5090", "--acceptance", "0.8", "--batch-sizes", "1,32"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for deployment in ("target-only", "colocated", "remote", "remote, drafting ahead"):
+        assert f"| 1 | {deployment} |" in out.stdout and f"| 32 | {deployment} |" in out.stdout
+    assert "batch 1: disaggregate" in out.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target", "no-such-profile", "--draft", DRAFT], "unknown sim profile 'no-such-profile'"),
+    (["--target", TARGET, "--draft", DRAFT, "--acceptance", "1.5"], "acceptance must be a probability"),
+    (["--target", TARGET, "--draft", DRAFT, "--draft", DRAFT, "--acceptance", "0.5", "--acceptance", "0.6", "--acceptance", "0.7"],
+     "give --acceptance once, or once per --draft"),
+    (["--target", TARGET, "--draft", DRAFT, "--batch-sizes", "0"], "--batch-sizes and -k must be >= 1"),
+])
+def test_bad_input_is_one_line_naming_it(args, message):
+    out = subprocess.run([sys.executable, "-m", "specserve.cli", "plan", *args], capture_output=True, text=True)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
