@@ -63,3 +63,12 @@ def test_the_command_prints_each_deployment_and_a_recommendation():
 def test_bad_input_is_one_line_naming_it(args, message):
     out = subprocess.run([sys.executable, "-m", "specserve.cli", "plan", *args], capture_output=True, text=True)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_the_controller_pages_commands_run_as_written():
+    from ..doc_blocks import block
+
+    out = subprocess.run(block("plan"), shell=True, capture_output=True, text=True, executable="/bin/bash")
+    assert out.returncode == 0 and "batch 1: disaggregate" in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", block("fixed-arm")], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
