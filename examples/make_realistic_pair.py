@@ -1,14 +1,15 @@
 """Build a target/draft pair with a realistic cost ratio for CPU benchmarks, and check it.
 
-Data flow: the shipped demo target (4 Llama layers) -> a ``--layers``-deep target: after
-each trained layer come copies of it whose output projections (``o_proj``, ``down_proj``)
-are scaled by ``+scale`` and ``-scale`` in turn, so every copy costs a full layer of compute
-while consecutive pairs nearly cancel (the outputs stay the demo target's); the demo draft
-is kept as the draft. Both are saved with ``save_pretrained`` (float16, like the demo pair)
-together with the tokenizer into ``--out/{target,draft}``. ``--check`` then measures, on
-this CPU with one torch thread, a decode step of each (specserve's HF backend, batch 1) and
-the greedy acceptance on held-out prompts at k = 2..4, and fails unless the target step costs
->= 10x a draft step and the per-token acceptance is >= 0.6. Nothing here is shipped as weights.
+Data flow: the shipped demo target (4 Llama layers) -> a ``--layers``-deep target built by
+``specserve.demo_models.realistic.build_pair`` (the pair ``specserve demo`` runs by default):
+after each trained layer come copies of it whose output projections are scaled by ``+scale``
+and ``-scale`` in turn, so every copy costs a full layer of compute while consecutive pairs
+nearly cancel (the outputs stay the demo target's); the demo draft is kept as the draft. Both
+are written (float16, like the demo pair) with the tokenizer into ``--out/{target,draft}``.
+``--check`` then measures, on this CPU with one torch thread, a decode step of each
+(specserve's HF backend, batch 1) and the greedy acceptance on held-out prompts at k = 2..4,
+and fails unless the target step costs >= 10x a draft step and the per-token acceptance is
+>= 0.6. Nothing here is shipped as weights.
 
     python examples/make_realistic_pair.py --out /tmp/realistic_pair --check
 """
@@ -24,49 +25,11 @@ from pathlib import Path
 
 import torch
 
+from specserve.demo_models.realistic import DEFAULT_LAYERS, DEFAULT_SCALE, build_pair
+
 HERE = Path(__file__).resolve().parent
 
-
-def build_pair(out: str | Path, num_layers: int = 44, scale: float = 0.02) -> tuple[str, str]:
-    """Write ``out/target`` (deepened demo target) and ``out/draft`` (the demo draft); return their paths."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
-
-    from specserve.demo_models import DRAFT_PATH, TARGET_PATH
-
-    out = Path(out)
-    base = AutoModelForCausalLM.from_pretrained(TARGET_PATH, dtype=torch.float32)
-    num_base = base.config.num_hidden_layers
-    if num_layers < num_base or (num_layers - num_base) % (2 * num_base):
-        raise ValueError(f"--layers must be {num_base} + a multiple of {2 * num_base} (pairs of copies per layer), got {num_layers}")
-    copies = (num_layers - num_base) // num_base  # after each trained layer
-    config = base.config.to_dict()
-    config["num_hidden_layers"] = num_layers
-    deep = LlamaForCausalLM(type(base.config).from_dict(config))
-    old, new = base.state_dict(), {}
-    for key, value in old.items():
-        if not key.startswith("model.layers."):
-            new[key] = value
-    for j in range(num_base):
-        prefix = f"model.layers.{j}."
-        layer = {k[len(prefix):]: v for k, v in old.items() if k.startswith(prefix)}
-        for c in range(copies + 1):
-            i = j * (copies + 1) + c
-            sign = 0.0 if c == 0 else (scale if c % 2 else -scale)  # c = 0: the trained layer itself
-            for name, value in layer.items():
-                if c and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-                    value = value * sign
-                new[f"model.layers.{i}.{name}"] = value.clone()
-    missing, unexpected = deep.load_state_dict(new, strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
-    deep.tie_weights()
-    tokenizer = AutoTokenizer.from_pretrained(TARGET_PATH)
-    for name, model in (("target", deep), ("draft", AutoModelForCausalLM.from_pretrained(DRAFT_PATH, dtype=torch.float32))):
-        path = out / name
-        model.to(torch.float16).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-        GenerationConfig.from_pretrained(TARGET_PATH).save_pretrained(path)
-    (out / "pair.json").write_text(json.dumps({"num_layers": num_layers, "scale": scale, "built_from": str(TARGET_PATH)}, indent=1))
-    return str(out / "target"), str(out / "draft")
+__all__ = ["build_pair", "decode_step_ms", "measure_acceptance"]
 
 
 def decode_step_ms(model_dir: str, batch_size: int = 1, context: int = 64, steps: int = 30) -> float:
@@ -130,8 +93,8 @@ def measure_acceptance(target: str, draft: str, ks: list[int], num_prompts: int 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for target/ and draft/ (created)")
-    p.add_argument("--layers", type=int, default=44, help="target depth: 4 + a multiple of 8 [44]")
-    p.add_argument("--scale", type=float, default=0.02, help="output-projection scale of the inserted copies [0.02]")
+    p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help=f"target depth: 4 + a multiple of 8 [{DEFAULT_LAYERS}]")
+    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, help=f"output-projection scale of the inserted copies [{DEFAULT_SCALE}]")
     p.add_argument("--check", action="store_true", help="measure the step-cost ratio and the acceptance; exit 1 if too low")
     p.add_argument("--num-prompts", type=int, default=16, help="held-out prompts for the acceptance check [16]")
     args = p.parse_args(argv)
