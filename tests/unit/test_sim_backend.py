@@ -180,3 +180,37 @@ def test_config_path_needs_no_model_directory():
     assert service.drafter.backend.role == "draft" and service.drafter.backend.acceptance == 0.6
     with pytest.raises(ValueError, match="unknown sim profile"):
         build_target(SpecserveConfig.load(target="sim:nope", target_backend="sim"))
+
+
+def test_acceptance_after_a_long_stretch_at_k_zero_equals_acceptance_before():
+    """Speculation that resumes after hundreds of target-only steps finds the draft current: its blocks are
+    accepted as often as before the stretch (a draft left stale would be rejected, or resynced at a cost)."""
+    from specserve.adaptive import TARGET_ONLY, Arm, SpeculationController
+
+    class Scripted(SpeculationController):  # k = 4, then 300 steps of k = 0, then k = 4 again
+        def __init__(self):
+            super().__init__(4)
+            self.step, self.by_phase = 0, {0: [0, 0], 1: [0, 0], 2: [0, 0]}
+
+        def _choose(self, batch_size, have_draft, cache):
+            self.step += 1
+            return TARGET_ONLY if 100 < self.step <= 400 else Arm(4, False)
+
+        def observe_acceptance(self, num_draft_tokens, num_accepted):
+            phase = self.by_phase[0 if self.step <= 100 else 2]
+            phase[0] += num_draft_tokens
+            phase[1] += num_accepted
+            super().observe_acceptance(num_draft_tokens, num_accepted)
+
+    prompts = random_contexts(4, seed=3)
+    with sim_llm(True, acceptance=0.7, num_speculative_tokens=4, adaptive=True) as llm:
+        core = llm._engine.loop.core
+        core.controller = Scripted()
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True), use_tqdm=False)
+        pushed = llm.metrics()["drafts"]
+    with sim_llm(False) as target_only:
+        reference = target_only.generate(prompts, SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    before, after = (accepted / drafted for drafted, accepted in (core.controller.by_phase[0], core.controller.by_phase[2]))
+    assert core.controller.step > 450 and core.controller.by_phase[2][0] > 400
+    assert abs(after - before) < 0.08, (before, after, pushed)
