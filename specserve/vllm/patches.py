@@ -1,5 +1,5 @@
 """What specserve changes in vLLM (0.32) where its proposer runs: ``min_p`` and ``logit_bias``
-under speculation, and two CPU bugs of the rejection sampler.
+under speculation, and two CPU bugs of the rejection sampler (each piece of vLLM reached through ``seam``).
 
 **min_p and logit_bias.** vLLM builds neither processor once speculation is configured, and
 refuses both at validation. For an engine whose proposer is specserve's (``ours``), the
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import logging
 
+from . import seam
+
 logger = logging.getLogger("specserve.vllm")
 _applied: list[str] = []  # what this process has patched
 
@@ -53,17 +55,8 @@ def ours(speculative_config) -> bool:
 
 def logits_processing_supported() -> bool:
     """Whether this vLLM has what ``_apply_logits_processing`` patches (else min_p and logit_bias stay refused)."""
-    try:
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.sample import rejection_sampler
-        from vllm.v1.sample.logits_processor import builtin
-        from vllm.v1.worker import gpu_model_runner
-    except ImportError:
-        return False
-    return (hasattr(SamplingParams, "_validate_spec_decode") and hasattr(gpu_model_runner, "build_logitsprocs")
-            and hasattr(rejection_sampler, "apply_sampling_constraints") and hasattr(rejection_sampler, "expand_batch_to_tokens")
-            and hasattr(rejection_sampler.RejectionSampler, "apply_logits_processors")
-            and hasattr(builtin, "MinPLogitsProcessor") and hasattr(builtin, "LogitBiasLogitsProcessor"))
+    return seam.present("validate_spec_decode", "build_logitsprocs", "apply_sampling_constraints", "expand_batch_to_tokens",
+                        "apply_logits_processors", "min_p_processor", "logit_bias_processor")
 
 
 def allow_in_validation() -> None:
@@ -71,58 +64,37 @@ def allow_in_validation() -> None:
     if "validation" in _applied or not logits_processing_supported():
         return
     _applied.append("validation")
-    from vllm.sampling_params import SamplingParams
 
-    original = SamplingParams._validate_spec_decode
-
-    def _validate_spec_decode(self, speculative_config) -> None:
+    @seam.patch("validate_spec_decode")
+    def _validate_spec_decode(original, self, speculative_config) -> None:
         if not ours(speculative_config):
             original(self, speculative_config)
-    SamplingParams._validate_spec_decode = _validate_spec_decode
-
-
-def _processor(processors, cls):
-    return next((p for p in processors if isinstance(p, cls)), None)
 
 
 def _apply_logits_processing() -> None:
-    from vllm.v1.sample import rejection_sampler
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
-    from vllm.v1.worker import gpu_model_runner
-
-    original_build = gpu_model_runner.build_logitsprocs
-
-    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs):
-        procs = original_build(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs)
+    @seam.patch("build_logitsprocs")
+    def build_logitsprocs(original, vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs):
+        procs = original(vllm_config, device, is_pin_memory, is_pooling_model, *args, **kwargs)
         if is_pooling_model or not ours(vllm_config.speculative_config):
             return procs
-        have = {type(p) for p in procs.all}
-        extra = [cls(vllm_config, device, is_pin_memory) for cls in (MinPLogitsProcessor, LogitBiasLogitsProcessor) if cls not in have]
-        return LogitsProcessors([*procs.all, *extra])
+        return seam.with_min_p_and_bias(procs, vllm_config, device, is_pin_memory)
 
-    sampler = rejection_sampler.RejectionSampler
-    original_processors = sampler.apply_logits_processors
-
-    def apply_logits_processors(self, logits, sampling_metadata, metadata):
+    @seam.patch("apply_logits_processors")
+    def apply_logits_processors(original, self, logits, sampling_metadata, metadata):
         # [num_draft_tokens, vocab] float32: each request's verified rows get its bias first, as vLLM's sampler
         # adds it before the penalties (the masks after it commute with a finite bias)
-        bias = _processor(sampling_metadata.logitsprocs.non_argmax_invariant, LogitBiasLogitsProcessor)
-        if bias is not None and bias.biases:
-            _add_bias(logits, bias, metadata.num_draft_tokens)
-        return original_processors(self, logits, sampling_metadata, metadata)
+        bias = seam.logit_bias(sampling_metadata, metadata)
+        if bias is not None:
+            _add_bias(logits, *bias)
+        return original(self, logits, sampling_metadata, metadata)
 
-    original_constraints = rejection_sampler.apply_sampling_constraints
+    @seam.patch("apply_sampling_constraints")
+    def apply_sampling_constraints(original, logits, cu_num_draft_tokens, sampling_metadata):
+        min_p = seam.min_p(sampling_metadata, cu_num_draft_tokens.shape[0])
+        if min_p is not None:
+            _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p)
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
 
-    def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
-        min_p = _processor(sampling_metadata.logitsprocs.argmax_invariant, MinPLogitsProcessor)
-        if min_p is not None and min_p.min_p_count and not sampling_metadata.all_greedy:
-            _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p.min_p_cpu[:cu_num_draft_tokens.shape[0]])
-        return original_constraints(logits, cu_num_draft_tokens, sampling_metadata)
-
-    gpu_model_runner.build_logitsprocs = build_logitsprocs
-    sampler.apply_logits_processors = apply_logits_processors
-    rejection_sampler.apply_sampling_constraints = apply_sampling_constraints
     logger.info("specserve: min_p and logit_bias apply under vLLM speculation with specserve's proposer")
 
 
@@ -131,30 +103,27 @@ def _add_bias(logits, processor, num_draft_tokens: list[int]) -> None:
     reads them) on every verified row of their request; request i owns rows cu[i] .. cu[i] + n[i] - 1."""
     import torch
 
-    request_index, token_ids = processor.logits_slice  # [num_entries] int32 each
+    request_index, token_ids, bias = seam.bias_entries(processor)  # [num_entries] each
     n = torch.tensor(num_draft_tokens, device=logits.device)  # [batch_size]
     starts = torch.cumsum(n, 0) - n
     counts = n[request_index.long()]  # rows per entry
     entry = torch.repeat_interleave(torch.arange(counts.numel(), device=logits.device), counts)  # [num_rows]
     within = torch.arange(entry.numel(), device=logits.device) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     rows = starts[request_index.long()[entry]] + within
-    logits[rows, token_ids.long()[entry]] += processor.bias_tensor[entry]
+    logits[rows, token_ids.long()[entry]] += bias[entry]
 
 
 def _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p) -> None:
     """vLLM's min-p at draft positions: a token whose probability at the row's temperature is under min_p times
     the row's top one is masked (the same arithmetic as its sampler's, on the rows whose request has a min_p)."""
     import torch
-    from vllm.v1.sample import rejection_sampler
 
     num_tokens = logits.shape[0]
-    expand = rejection_sampler.expand_batch_to_tokens
-    per_row = expand(torch.from_numpy(min_p).to(logits.device), cu_num_draft_tokens, num_tokens)  # [num_tokens] float32
+    per_row = seam.expand_to_tokens(torch.from_numpy(min_p).to(logits.device), cu_num_draft_tokens, num_tokens)  # [num_tokens] float32
     rows = per_row.nonzero().squeeze(-1)
     if rows.numel() == 0:
         return
-    temperature = expand(sampling_metadata.temperature, cu_num_draft_tokens, num_tokens,
-                         replace_from=rejection_sampler.GREEDY_TEMPERATURE, replace_to=1)
+    temperature = seam.temperatures(sampling_metadata, cu_num_draft_tokens, num_tokens)
     selected = logits[rows]  # [num_rows, vocab] (a copy: written back below)
     probs = torch.softmax(selected / temperature[rows].unsqueeze(-1), dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True).mul_(per_row[rows].unsqueeze(-1))
@@ -170,18 +139,18 @@ def apply_all() -> None:
         _apply_logits_processing()
     try:
         from vllm.platforms import current_platform
-        from vllm.v1.sample import rejection_sampler
+
+        if not current_platform.is_cpu() or not seam.present("expand_batch_to_tokens", "apply_top_k_top_p"):
+            return
     except ImportError:  # another vLLM layout: nothing known to patch
         return
-    if not current_platform.is_cpu() or not hasattr(rejection_sampler, "expand_batch_to_tokens"):
-        return
-    original_top_k_top_p = rejection_sampler.apply_top_k_top_p
 
-    def apply_top_k_top_p(logits, k, p, *args, **kwargs):
+    seam.replace("expand_batch_to_tokens", expand_batch_to_tokens)
+
+    @seam.patch("apply_top_k_top_p")
+    def apply_top_k_top_p(original, logits, k, p, *args, **kwargs):
         if logits.shape[0] == 0:
             return logits
-        return original_top_k_top_p(logits, k, p, *args, **kwargs)
+        return original(logits, k, p, *args, **kwargs)
 
-    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-    rejection_sampler.apply_top_k_top_p = apply_top_k_top_p
     logger.info("specserve: patched vLLM's CPU rejection sampler (per-token sampling parameters, empty batches)")

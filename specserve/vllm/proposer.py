@@ -14,8 +14,9 @@ acceptance per position, the verify's cost by batch size and width, timed around
 runner's ``execute_model``, the draft's reply time and hit rate): k = 0 asks nothing and
 sends nothing, and the committed tokens reach the draft with the next block it is asked for.
 vLLM passes no request ids and has no finish hook: both come from the model runner that
-constructs this object (``input_batch.req_ids``, its request-removed hook). A draft that
-fails or answers late means empty proposals (target-only steps), never a failed request.
+constructs this object (its batch's request ids, its request-removed hook), reached through
+``seam`` alone, which checks at construction that every internal is where it expects. A draft
+that fails or answers late means empty proposals (target-only steps), never a failed request.
 For an EAGLE head (``hidden_layers`` set at launch) the runner also keeps the head's layers,
 and each step's committed positions' rows ride with the deltas (``_hook_hidden_states``).
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +36,7 @@ from ..devices import placement
 from ..messages import DraftProcessing, Hello, OpenSeq, VerifyResult
 from ..pool import DraftPool
 from . import link as links
-from . import patches
+from . import patches, seam
 
 logger = logging.getLogger("specserve.vllm")
 RECONCILE_EVERY = 64  # steps between checks that every sequence held here is still live in vLLM
@@ -55,32 +55,12 @@ class _Seq:
     seeded: bool = False  # a seeded sampled request: keeps the configured k (plan_draft_lengths)
 
 
-def find_runner(start):
-    """The vLLM model runner whose constructor is building the proposer (None if not found)."""
-    frame = start
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None and (type(obj).__name__.endswith("ModelRunner") or hasattr(obj, "_on_request_state_removed")):
-            return obj
-        frame = frame.f_back
-    return None
-
-
-def _is_output_rank() -> bool:
-    try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        return get_tensor_model_parallel_rank() == 0
-    except Exception:  # not initialised (tests, single process): the only rank
-        return True
-
-
 class RemoteDraftProposer:
     def __init__(self, vllm_config):
         patches.apply_all()  # this is the process that samples
         self.k = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.runner = find_runner(sys._getframe(1))
+        self.runner = seam.find_runner()
         self.seqs: dict[str, _Seq] = {}
         self.step_stats: dict[str, tuple[int, int, bool]] = {}  # request -> (drafts verified, accepted, fallback), last step
         self.timing = {"propose_s": 0.0, "draft_wait_s": 0.0, "draft_compute_s": 0.0, "draft_forward_s": 0.0,
@@ -117,11 +97,10 @@ class RemoteDraftProposer:
         self._rows: dict[str, list] = {}  # request id -> committed positions' rows the draft has not heard of yet
         self._step_hidden = None  # this step's (hidden_states, aux_hidden_states), from the runner
         self._fc = None  # an EAGLE-3 head's fc weight when it runs here (speculation.head_fc)
-        if not _is_output_rank():
+        if not seam.is_output_rank():
             return  # vLLM takes the output rank's drafts; this rank proposes nothing
         if self.runner is None:
-            logger.error("RemoteDraftProposer: no vLLM model runner found (unsupported vLLM version?): decoding target-only")
-            return
+            seam.check(None)  # raises: no model runner constructs this proposer
         slot = links.find(opts.get("link"))
         delay_ms = float(opts.get("delay_ms", 0.0))
         link = slot.link if slot is not None else (links.from_names(opts.get("addresses") or [], opts.get("app"), delay_ms,
@@ -129,6 +108,7 @@ class RemoteDraftProposer:
         if link is None:
             raise ValueError(f"RemoteDraftProposer: no draft named: set {links.ADDRESS_ENV}=host:port[,host:port] "
                              f"(draft servers, e.g. `specserve draft`) or {links.APP_ENV}=<specserve Serve app>")
+        seam.check(self.runner)  # every internal used below is where the seam expects it, or one error names what is not
         if slot is not None:
             slot.proposer = self
         self._hook_finished()
@@ -149,103 +129,62 @@ class RemoteDraftProposer:
         logger.info("RemoteDraftProposer: k<=%d (%s), target %s", self.k, mode, link.target_id)
 
     def load_model(self, *args, **kwargs) -> None:
-        """vLLM's CPU runner calls this with the target model; a remote draft needs nothing from it."""
+        """vLLM's runner calls this with the target model once its constructor is done: a remote draft needs
+        nothing from it, but every attribute the seam reads is set by now, and checked."""
+        if self.pool is not None:
+            seam.check(self.runner)
 
     # -- sequences ------------------------------------------------------------------------------
     def _hook_finished(self) -> None:
-        """Wrap the runner's per-request removal hook: a finished or aborted request closes its draft state."""
-        original = getattr(self.runner, "_on_request_state_removed", None)
-        if original is None:
-            return
-
-        def removed(req_id, req_state, _original=original):
-            self.close(req_id)
-            return _original(req_id, req_state)
-
-        self.runner._on_request_state_removed = removed
+        """A finished or aborted request closes its draft state."""
+        seam.on_request_removed(self.runner, self.close)
 
     def _hook_step_timer(self) -> None:
         """Time each verify: from the runner's ``execute_model`` to this step's ``propose``; keep the step's
         scheduler output (which rows carry drafts), which ``propose`` is not passed."""
-        original = getattr(self.runner, "execute_model", None)
-        if original is None:
-            return
+        seam.on_step(self.runner, self._step_begins)
 
-        def execute_model(*args, _original=original, **kwargs):
-            now = self._step_started = time.perf_counter()
-            self._scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-            # vLLM's scheduling and output handling since the last step (an idle engine's wait is no cost).
-            gap = None if self._last_end is None else now - self._last_end
-            typical = self._between_ema
-            self._between = gap if gap is not None and (typical is None or gap < max(0.02, 4 * typical)) else None
-            if self._between is not None:
-                self._between_ema = gap if typical is None else 0.9 * typical + 0.1 * gap
-            return _original(*args, **kwargs)
-
-        self.runner.execute_model = execute_model
+    def _step_begins(self, scheduler_output) -> None:
+        now = self._step_started = time.perf_counter()
+        self._scheduler_output = scheduler_output
+        # vLLM's scheduling and output handling since the last step (an idle engine's wait is no cost).
+        gap = None if self._last_end is None else now - self._last_end
+        typical = self._between_ema
+        self._between = gap if gap is not None and (typical is None or gap < max(0.02, 4 * typical)) else None
+        if self._between is not None:
+            self._between_ema = gap if typical is None else 0.9 * typical + 0.1 * gap
 
     def _hook_plain_steps(self) -> None:
         """A step that verifies no drafts runs as vLLM runs a target without speculation.
 
         With a speculative config, vLLM's runner builds speculative metadata and samples through its
         rejection sampler on every step, drafts or none: on the demo pair at batch 8 that was ~6% of a
-        k = 0 step in a profile (the plain sampler takes 0.5%). The seam (vLLM
-        0.32): ``_prepare_inputs`` takes the speculative branch when ``runner.speculative_config`` is set;
-        without it, it returns no speculative metadata, and ``_sample`` then uses the plain sampler, whose
-        one token per row the bookkeeping reads as it reads a rejection sampler's. Everything after it
-        (the proposer's call, the metadata the drafts are asked with) still sees the config. Left as is:
+        k = 0 step in a profile (the plain sampler takes 0.5%). Without speculative metadata
+        (``seam.plain_steps``) vLLM samples with its plain sampler, whose one token per row the
+        bookkeeping reads as it reads a rejection sampler's. Left as is:
         a hybrid target (its linear-attention state is rolled back per draft position, also at zero
         drafts) and steps with a seeded sampled request (its draws must not depend on whether a step
         carried drafts)."""
-        runner = self.runner
-        original = getattr(runner, "_prepare_inputs", None)
-        if original is None or self.uniform or not hasattr(runner, "speculative_config"):
-            return
+        if not self.uniform:
+            seam.plain_steps(self.runner, self._plain_step)
 
-        def _prepare_inputs(scheduler_output, *args, _original=original, **kwargs):
-            if getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or self._num_seeded:
-                return _original(scheduler_output, *args, **kwargs)
-            self.counters["num_plain_steps"] += 1
-            config, runner.speculative_config = runner.speculative_config, None
-            try:
-                return _original(scheduler_output, *args, **kwargs)
-            finally:
-                runner.speculative_config = config
-
-        runner._prepare_inputs = _prepare_inputs
+    def _plain_step(self, scheduler_output) -> bool:
+        if seam.scheduled_drafts(scheduler_output) or self._num_seeded:
+            return False
+        self.counters["num_plain_steps"] += 1
+        return True
 
     # -- hidden states for an EAGLE head ----------------------------------------------------------
     def _hook_hidden_states(self, vllm_config, opts: dict, device: str) -> dict:
-        """Make vLLM's runner keep the rows the head reads and hand them to this proposer each step;
-        returns what the hello tells the head (width, depth, dtype).
-
-        The seam: vLLM's runner computes EAGLE-3's auxiliary layers when ``use_aux_hidden_state_outputs``
-        is set before it loads the model, takes the layer ids from ``_get_eagle3_aux_layers_from_config``
-        (here: the head's, fixed at launch), and passes the step's final and auxiliary hidden states to
-        ``propose_draft_token_ids``, which calls ``propose``; the rows of batch row i are
-        ``query_start_loc[i]:query_start_loc[i + 1]``. EAGLE-1 reads the final hidden state, which it
-        computes anyway. With ``head_fc`` on the target, the head's fc weight is read from its checkpoint
-        here and applied to the rows before they leave."""
-        import inspect
-
+        """Make vLLM's runner keep the rows the head reads and hand them to this proposer each step
+        (``seam.keep_hidden_states``: the head's layers, fixed at launch; EAGLE-1 reads the final hidden
+        state); returns what the hello tells the head (width, depth, dtype). With ``head_fc`` on the
+        target, the head's fc weight is read from its checkpoint here and applied to the rows before they
+        leave."""
         from ..eagle import FINAL, fc_runs_on_target, head_fc
 
-        runner, layers = self.runner, self.hidden_layers
-        if layers != (FINAL,):
-            runner.use_aux_hidden_state_outputs = True
-            runner._get_eagle3_aux_layers_from_config = lambda: list(layers)
-        original = runner.propose_draft_token_ids
-        signature = inspect.signature(original)
-
-        def propose_draft_token_ids(*args, _original=original, **kwargs):
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            self._step_hidden = (bound.get("hidden_states"), bound.get("aux_hidden_states"))
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                self._step_hidden = None
-
-        runner.propose_draft_token_ids = propose_draft_token_ids
+        layers = self.hidden_layers
+        seam.keep_hidden_states(self.runner, None if layers == (FINAL,) else list(layers), self._receive_hidden)
         hf = vllm_config.model_config.hf_config
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         dtype = str(vllm_config.model_config.dtype).split(".")[-1]
@@ -256,6 +195,9 @@ class RemoteDraftProposer:
             info["hidden_fc"] = fc[1]
         return info
 
+    def _receive_hidden(self, step_hidden) -> None:
+        self._step_hidden = step_hidden
+
     def _keep_hidden(self, layers: tuple[int, ...]) -> None:
         if tuple(layers) != self.hidden_layers:
             raise ValueError(f"this vLLM target keeps the rows of layers {list(self.hidden_layers)} (set at launch from the "
@@ -264,7 +206,7 @@ class RemoteDraftProposer:
     def _hold_rows(self, rid: str, i: int, num_committed: int | None) -> None:
         """Keep the rows of batch row i's first ``num_committed`` scheduled tokens (None: all of them)."""
         hidden, aux = self._step_hidden or (None, None)
-        loc = getattr(getattr(self.runner, "query_start_loc", None), "np", None)
+        loc = seam.query_start_loc(self.runner)
         if hidden is None or loc is None:
             return
         start, end = int(loc[i]), int(loc[i + 1])
@@ -314,14 +256,13 @@ class RemoteDraftProposer:
     def _processing(self, rid: str) -> DraftProcessing | None:
         """What vLLM does to this request's distribution beyond temperature / top-k / top-p, for the draft
         to do to its proposals (acceptance only: vLLM verifies against its own processed distribution)."""
-        state = getattr(self.runner, "requests", {}).get(rid)
-        p = getattr(state, "sampling_params", None)
+        p = seam.sampling_params(self.runner, rid)
         try:
             bias, bad = dict(p.logit_bias or {}), list(p.bad_words_token_ids or [])
             allowed, penalties = p.allowed_token_ids, (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
             if not (bias or allowed or bad or p.min_tokens or penalties != (0.0, 0.0, 1.0)):
                 return None
-            return DraftProcessing(int(state.num_prompt_tokens), [int(t) for t in bias], [float(b) for b in bias.values()],
+            return DraftProcessing(seam.num_prompt_tokens(self.runner, rid), [int(t) for t in bias], [float(b) for b in bias.values()],
                                    [int(t) for t in allowed] if allowed else None, [[int(t) for t in w] for w in bad],
                                    int(p.min_tokens), sorted(int(t) for t in p.all_stop_token_ids), *map(float, penalties))
         except (AttributeError, TypeError, ValueError):  # no request state, or a vLLM whose state reads otherwise
@@ -359,11 +300,9 @@ class RemoteDraftProposer:
     def _room(self, rid: str, length: int) -> int:
         """Draft tokens this sequence can use: within max_tokens and the context, leaving the bonus token."""
         room = min(self.k, self.max_model_len - length - 1)
-        state = getattr(self.runner, "requests", {}).get(rid)
-        params = getattr(state, "sampling_params", None)
+        params, done = seam.sampling_params(self.runner, rid), seam.num_output_tokens(self.runner, rid)
         if params is not None and params.max_tokens is not None:
-            room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
-        done = len(state.output_token_ids) if state is not None else 0
+            room = min(room, params.max_tokens - done - 1)
         min_tokens = getattr(params, "min_tokens", 0) or 0
         if done < min_tokens:
             # vLLM masks the stop tokens of the bonus token's row by the committed length alone, so a
@@ -373,7 +312,7 @@ class RemoteDraftProposer:
         return max(0, room)
 
     def _reconcile(self) -> None:
-        live = getattr(self.runner, "requests", None)
+        live = seam.live_requests(self.runner)
         if live is not None:
             for rid in [r for r in self.seqs if r not in live]:
                 self.close(rid)
@@ -385,14 +324,14 @@ class RemoteDraftProposer:
             return [[] for _ in range(n)]
         scheduler_output, self._scheduler_output = self._scheduler_output, None
         if scheduler_output is None and self._step_started is None:  # no execute_model hook: the caller has it
-            scheduler_output = sys._getframe(1).f_locals.get("scheduler_output")
-        scheduled = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+            scheduler_output = seam.caller_scheduler_output()
+        scheduled = seam.scheduled_drafts(scheduler_output)
         start = time.perf_counter()
         try:
             # A head's rows are cut from vLLM's tensors here, for a head that may run in this process.
             with self._lock, (_normal_tensors() if self.hidden_layers is not None else contextlib.nullcontext()):
                 return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, scheduled,
-                                     getattr(scheduler_output, "total_num_scheduled_tokens", None))
+                                     seam.num_scheduled_tokens(scheduler_output))
         except Exception:  # a bug here must not fail vLLM's step: this step goes target-only
             logger.exception("RemoteDraftProposer failed; no drafts this step")
             return [[] for _ in range(n)]
@@ -409,7 +348,7 @@ class RemoteDraftProposer:
         n = len(sampled_token_ids)
         self._step += 1
         self.step_stats = {}
-        req_ids = self.runner.input_batch.req_ids
+        req_ids = seam.request_ids(self.runner)
         lengths = num_tokens_no_spec[:n].tolist()  # (one conversion, not one per row)
         seqs, hidden = self.seqs, self.hidden_layers is not None
         live, widest, prefill, decoded = {}, 0, False, 0  # request id -> (row, sequence); decode tokens this step
@@ -541,7 +480,7 @@ class RemoteDraftProposer:
             self.controller.observe_cycle(batch_size, num_tokens, time.perf_counter() - self._last_end, arm, pure, prefill_tokens)
 
     def _seeded_sampled(self, rid: str) -> bool:
-        params = getattr(getattr(self.runner, "requests", {}).get(rid), "sampling_params", None)
+        params = seam.sampling_params(self.runner, rid)
         return params is not None and getattr(params, "seed", None) is not None and (getattr(params, "temperature", 0.0) or 0.0) > 0
 
     # -- idle, status, shutdown -----------------------------------------------------------------

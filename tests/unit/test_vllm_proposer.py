@@ -59,7 +59,10 @@ class FakeDraft:
 
 
 class FakeModelRunner:
-    """The parts of vLLM's GPUModelRunner the proposer reads."""
+    """The parts of vLLM's GPUModelRunner the proposer reads (the seam checks each is there)."""
+
+    speculative_config = use_aux_hidden_state_outputs = None  # (not driven here: plain steps, a head's layers)
+    query_start_loc = SimpleNamespace(np=None)
 
     def __init__(self, draft: FakeDraft, max_tokens: int = 50, adaptive: bool = False, first_step_drafts: bool = False,
                  seeded: frozenset = frozenset()):
@@ -82,6 +85,16 @@ class FakeModelRunner:
 
     def execute_model(self, scheduler_output=None):
         """vLLM's worker calls this first each step (the proposer times the verify from here)."""
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        pass
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                                aux_hidden_states, *args):
+        pass
+
+    def _get_eagle3_aux_layers_from_config(self):
+        pass
 
     def step(self, rows: dict[str, list[int]]):
         """One engine step: ``rows`` maps each request, in batch order, to the tokens it committed
