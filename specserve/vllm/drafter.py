@@ -18,6 +18,7 @@ import time
 
 from ..draft import DraftSeq, Proposal
 from ..models import load_tokenizer, vocab_fingerprint
+from . import seam
 from .options import engine_kwargs, is_cpu_platform, prepare_env, require_vllm, sync_omp_threads
 
 logger = logging.getLogger("specserve.vllm")
@@ -37,10 +38,10 @@ class VLLMDraftEngine:
         if is_cpu_platform():
             extra["block_size"] = CPU_BLOCK_SIZE
         self.llm = LLM(**engine_kwargs(side, None, self.tokenizer is not None, **extra))
-        mc = self.llm.llm_engine.vllm_config.model_config
-        self.max_model_len = mc.max_model_len
-        self.vocab_size = mc.get_vocab_size()
-        self.block_size = self.llm.llm_engine.vllm_config.cache_config.block_size
+        config = seam.engine_config(self.llm)
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.get_vocab_size()
+        self.block_size = config.cache_config.block_size
         self.generate_greedy([[0] * 8] * 2, [2, 2])  # warm up: the first steps are slow, and targets time drafts out
 
     def vocab_fingerprint(self) -> dict:

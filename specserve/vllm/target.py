@@ -26,7 +26,7 @@ from ..outputs import SpecMetrics, StepDelta
 from ..secret import TOKEN_ENV, resolve_token
 from ..stopping import StopChecker
 from . import link as links
-from . import patches
+from . import patches, seam
 from .options import engine_kwargs, prepare_env, require_vllm, sync_omp_threads
 
 logger = logging.getLogger("specserve.vllm")
@@ -79,12 +79,13 @@ class VLLMEngineCore(RequestQueue):
                 if token:  # they inherit this environment (vLLM logs its config, so the secret stays out of it)
                     os.environ[TOKEN_ENV] = token
             extra["additional_config"] = {"specserve": opts}
+            seam.check_installed()  # before the model loads: every vLLM internal the proposer relies on is there
             patches.allow_in_validation()  # min_p and logit_bias: vLLM's validation refuses them under speculation
         self.llm = LLM(**engine_kwargs(t, cfg.engine.max_model_len, tokenizer is not None, **extra))
         self.engine = self.llm.llm_engine
         slot = links.find(self._key)
         self.proposer = slot.proposer if slot is not None else None  # None: vLLM built it in another process
-        mc = self.engine.vllm_config.model_config
+        mc = seam.engine_config(self.llm).model_config
         self.target = VLLMTarget(tokenizer, mc.max_model_len, mc.get_vocab_size())
         self.waiting: deque = deque()
         self._top_n: dict[str, int] = {}  # request id -> top logprobs asked for (requests that asked)
@@ -232,7 +233,7 @@ class VLLMEngineCore(RequestQueue):
         """vLLM's own spec-decode counters (the authority when the proposer runs in other processes)."""
         self._vllm_counters_at = time.monotonic()
         self._vllm_counters_step = self.counters["num_steps"]
-        if not self.engine.log_stats:
+        if not seam.logs_stats(self.engine):
             return
         out = {}
         for m in self.llm.get_metrics():
@@ -275,7 +276,7 @@ class VLLMEngineCore(RequestQueue):
         if self._key is not None:
             links.release(self._key)
         try:
-            self.engine.engine_core.shutdown()
+            seam.shutdown(self.engine)
         except Exception:  # already down
             logger.debug("vLLM engine shutdown", exc_info=True)
 
