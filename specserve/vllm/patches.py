@@ -123,7 +123,7 @@ def _mask_min_p(logits, cu_num_draft_tokens, sampling_metadata, min_p) -> None:
     rows = per_row.nonzero().squeeze(-1)
     if rows.numel() == 0:
         return
-    temperature = seam.temperatures(sampling_metadata, cu_num_draft_tokens, num_tokens)
+    temperature = seam.draft_temperatures(sampling_metadata, cu_num_draft_tokens, num_tokens)
     selected = logits[rows]  # [num_rows, vocab] (a copy: written back below)
     probs = torch.softmax(selected / temperature[rows].unsqueeze(-1), dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True).mul_(per_row[rows].unsqueeze(-1))

@@ -108,7 +108,7 @@ class RemoteDraftProposer:
         if link is None:
             raise ValueError(f"RemoteDraftProposer: no draft named: set {links.ADDRESS_ENV}=host:port[,host:port] "
                              f"(draft servers, e.g. `specserve draft`) or {links.APP_ENV}=<specserve Serve app>")
-        seam.check(self.runner)  # every internal used below is where the seam expects it, or one error names what is not
+        seam.check(type(self.runner))  # every internal used below is where the seam expects it, or one error names what is not
         if slot is not None:
             slot.proposer = self
         self._hook_finished()

