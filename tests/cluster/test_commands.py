@@ -1,8 +1,9 @@
-"""The README's commands, run as written, and the startup-error contract of `specserve serve`.
+"""The commands of README.md and docs/, run as written, and the startup-error contract of `specserve serve`.
 
-Blocks marked ``<!-- test: NAME -->`` in README.md are extracted and run verbatim (the HTTP
-snippets against the server the README starts). Each server runs in a subprocess with its
-own Ray, so this module shares no cluster fixture.
+Blocks marked ``<!-- test: NAME -->`` in README.md or docs/*.md are extracted and run verbatim
+(the HTTP snippets against the server the docs start; the two-machine recipe on two Ray nodes of
+this host, 127.0.0.1 for the head's address). A block the README and a page share is run once.
+Each server runs in a subprocess with its own Ray, so this module shares no cluster fixture.
 """
 
 from __future__ import annotations
@@ -23,25 +24,19 @@ import pytest
 
 from specserve.demo import DEMO_PROMPTS
 
+from ..doc_blocks import block
+
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
 BIN = Path(sys.executable).parent
 
 
-def block(name: str) -> str:
-    """The code block right after ``<!-- test: name -->`` in README.md."""
-    m = re.search(rf"<!-- test: {re.escape(name)} -->\s*```\w*\n(.*?)```", README, re.S)
-    assert m, f"README.md has no block marked 'test: {name}'"
-    return m.group(1)
-
-
-def env() -> dict:
+def env(extra: dict | None = None) -> dict:
     e = dict(os.environ)
     e.pop("RAY_ADDRESS", None)
     e.pop("SPECSERVE_API_KEY", None)
     e["TOKENIZERS_PARALLELISM"] = "false"
     e["PATH"] = f"{BIN}:{e.get('PATH', '')}"
-    return e
+    return {**e, **(extra or {})}
 
 
 def port_free(port: int, wait_s: float = 30) -> bool:
@@ -65,7 +60,7 @@ class Server:
     def __init__(self, cmd: str, ready: str, cwd: Path, extra_env: dict | None = None, timeout: float = 240):
         self.lines: list[str] = []
         self.proc = subprocess.Popen(cmd, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**env(), **(extra_env or {})}, cwd=cwd, start_new_session=True)
+                                     env=env(extra_env), cwd=cwd, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.time() + timeout
@@ -95,16 +90,30 @@ class Server:
         return "".join(self.lines)
 
 
-def run_bash(script: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", "-e", "-c", script], capture_output=True, text=True, env=env(), cwd=cwd, timeout=timeout)
+def run_bash(script: str, cwd: Path, timeout: float = 300, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", "-e", "-c", script], capture_output=True, text=True, env=env(extra_env), cwd=cwd,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
-def run_python(code: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=cwd, timeout=timeout)
+def run_python(code: str, cwd: Path, timeout: float = 300, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(extra_env), cwd=cwd,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def command(script: str) -> str:
+    """A one-line block without its trailing comment."""
+    return script.split("#")[0].strip()
+
+
+def rows_by_index(path: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    indices = [r["index"] for r in rows]
+    assert len(indices) == len(set(indices)), f"an index written twice: {indices}"
+    return {r["index"]: r for r in rows}
 
 
 def check_speculation_stats(stats: dict, k: int) -> None:
@@ -129,7 +138,7 @@ def test_demo_reports_then_serves_the_commands_it_prints(tmp_path):
     if not port_free(8000):
         pytest.skip("port 8000 is busy: the demo serves on 8000 as the README says")
     out = tmp_path / "demo.json"
-    server = Server(f"specserve demo --json {out}", r"\(Ctrl-C to stop\)", tmp_path, timeout=600)
+    server = Server(f"{command(block('demo'))} --json {out}", r"\(Ctrl-C to stop\)", tmp_path, timeout=600)
     try:
         report = json.loads(out.read_text())
         rows, k = report["rows"], report["num_speculative_tokens"]
@@ -170,23 +179,66 @@ def test_readme_batch_example(tmp_path):
     assert out.count("length") + out.count("stop") >= 2
 
 
-def test_readme_generate_block(tmp_path):
+def test_readme_generate_block_then_resume(tmp_path):
     run_bash(block("generate"), tmp_path)
-    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert sorted(r["index"] for r in rows) == [0, 1] and all(r["text"] for r in rows)  # (as they finish)
+    out = tmp_path / "out.jsonl"
+    rows = rows_by_index(out)
+    assert sorted(rows) == [0, 1] and all(r["text"] for r in rows.values())  # (as they finish)
+    # A job stopped after one row: --resume runs the missing line only, and keeps the row it has.
+    kept = out.read_text().splitlines()[0]
+    out.write_text(kept + "\n")
+    run_bash(block("resume"), tmp_path)
+    resumed = rows_by_index(out)
+    assert sorted(resumed) == [0, 1] and out.read_text().splitlines()[0] == kept
+    assert all(r["text"] for r in resumed.values())
+
+
+def test_the_vllm_block_runs_a_vllm_target(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed (the test install has its CPU build: see docs/install.md)")
+    run_bash(block("generate").splitlines()[0], tmp_path)  # the prompts file the page reuses
+    proc = run_bash(block("vllm-sides"), tmp_path, timeout=600)
+    assert re.search(r"GiB for KV cache", proc.stdout + proc.stderr), "no vLLM engine started"  # vLLM's engine says so
+    rows = rows_by_index(tmp_path / "out-vllm.jsonl")
+    assert sorted(rows) == [0, 1] and all(r["text"] for r in rows.values())
+    assert sum(r["metrics"]["num_steps"] for r in rows.values()) > 0
+
+
+def test_the_python_pages_stream_and_head_blocks(tmp_path):
+    streamed = run_python(block("stream"), tmp_path).stdout.strip().splitlines()
+    assert len(streamed) >= 2 and streamed[0].strip(), streamed
+    assert re.fullmatch(r"\d+ of \d+ draft tokens accepted, [\d.]+ ms a step", streamed[-1]), streamed[-1]
+    assert run_python(block("heads"), tmp_path).stdout.strip()
+
+
+def test_the_version_check_names_each_package(tmp_path):
+    import ray
+    import torch
+
+    import specserve
+
+    fields = run_bash(block("versions"), tmp_path).stdout.split()
+    assert fields == [sys.version.split()[0], ray.__version__, torch.__version__, specserve.__version__]
 
 
 def test_readme_http_walkthrough(tmp_path):
     """`specserve serve` as the README writes it, then its curl and openai snippets verbatim."""
     if not port_free(8000):
         pytest.skip("port 8000 is busy: the README's walk-through serves on 8000")
-    server = Server(block("serve").split("#")[0].strip(), r"^ready: http://127\.0\.0\.1:8000/v1 \(model id 'demo'\)", tmp_path)
+    server = Server(command(block("serve")), r"^ready: http://127\.0\.0\.1:8000/v1 \(model id 'demo'\)", tmp_path)
     try:
         body = json.loads(run_bash(block("curl"), tmp_path).stdout)
         assert body["model"] == "demo" and body["choices"][0]["text"] and body["specserve"]["num_steps"] > 0
         out = run_python(block("openai"), tmp_path).stdout
         assert len(out.strip().splitlines()) >= 2
         assert httpx.get("http://127.0.0.1:8000/health", timeout=30).json()["ingress"] == "direct"  # no proxy hop
+        more = run_bash(block("http-more"), tmp_path).stdout
+        chunks = [ln.removeprefix("data: ") for ln in more.splitlines() if ln.startswith("data: ")]
+        assert chunks[-1] == "[DONE]" and all(json.loads(c)["choices"] is not None for c in chunks[:-1])
+        health = json.loads(next(ln for ln in more.splitlines() if ln.startswith("{")))
+        assert health["status"] == "ok" and health["targets"] == 1 and health["drafts"] == 1
+        assert re.search(r'^specserve_spec_decode_num_accepted_tokens\{model_name="demo"\} \d', more, re.M), more[-500:]
+        choice = run_python(block("structured"), tmp_path).stdout.strip()
+        assert choice in ("add", "subtract", "multiply"), choice
     finally:
         output = server.stop()
     assert "loading target" in output and "loading draft" in output  # progress from the nodes
@@ -309,3 +361,56 @@ def test_api_key_from_the_environment_holds_when_joining_a_cluster(tmp_path, hea
         assert ("has no direct ingress" in output) == (head_ingress == "proxy"), output[-3000:]
     finally:
         head.stop()
+
+
+def on_this_host(script: str, gcs_port: int, http_port: int, ray_start_flags: str = "") -> str:
+    """A two-machine block for two Ray nodes on this host: the head's address 127.0.0.1, free ports for
+    Ray's GCS and the HTTP endpoint (and Serve's proxy after it), and ``ray start`` kept in the foreground
+    (``--block``) with small logical resources, so the test stops exactly the nodes it started (a plain
+    ``ray stop`` would stop every Ray on the machine)."""
+    script = script.replace("HEAD=10.0.0.1", "HEAD=127.0.0.1").replace("6379", str(gcs_port))
+    script = script.replace("8001", str(http_port + 1)).replace("8000", str(http_port))
+    lines = [f"{ln} --block {ray_start_flags}" if ln.startswith("ray start") else ln for ln in script.splitlines()]
+    return "\n".join(lines)
+
+
+def test_two_machines_by_hand_then_every_way_into_the_app(tmp_path):
+    """docs/two-machines.md on one host: the target machine's head (role label, direct ingress), the draft
+    machine's node, `specserve serve --address auto`, the placement check and a request; then the batch
+    page's handle API, `generate --app` and Ray Data against the same app, which this cluster serves."""
+    from ..conftest import free_port, free_ports
+
+    gcs, http, dashboard, client = free_port(), free_ports(2), free_port(), free_port()
+    plain = {"RAY_AUTH_MODE": "disabled"}  # (Ray's token auth: docs/two-machines.md, step 3)
+    joined = {**plain, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}  # what --address auto finds on a machine of the cluster
+    head = Server(on_this_host(block("two-machines-target"), gcs, http,
+                               f"--num-cpus=2 --dashboard-port={dashboard} --ray-client-server-port={client} "
+                               "--disable-usage-stats"),
+                  r"Ray runtime started|will now block", tmp_path, extra_env=plain)
+    nodes = [head]
+    try:
+        nodes.append(Server(on_this_host(block("two-machines-draft"), gcs, http, "--num-cpus=2"),
+                            r"Ray runtime started|will now block", tmp_path, extra_env=plain))
+        server = Server(command(on_this_host(block("two-machines-serve"), gcs, http)),
+                        rf"^ready: http://127\.0\.0\.1:{http}/v1 \(model id 'demo'\)", tmp_path, extra_env=joined, timeout=300)
+        try:
+            placed = run_python(block("two-machines-check"), tmp_path, extra_env=joined).stdout
+            assert "Target runs on the target machine" in placed and "Draft runs on the draft machine" in placed, placed
+            body = json.loads(run_bash(on_this_host(block("curl"), gcs, http), tmp_path).stdout)
+            assert body["choices"][0]["text"] and body["specserve"]["num_steps"] > 0
+            health = httpx.get(f"http://127.0.0.1:{http}/health", timeout=30).json()
+            assert health["status"] == "ok" and health["ingress"] == "direct", health  # the head's exports took
+            assert run_python(block("connect"), tmp_path, extra_env=joined).stdout.strip()
+            run_bash(block("generate").splitlines()[0], tmp_path)  # the prompts file the batch page reuses
+            run_bash(block("generate-app"), tmp_path, extra_env=joined)
+            rows = rows_by_index(tmp_path / "out-app.jsonl")
+            assert sorted(rows) == [0, 1] and all(r["text"] for r in rows.values())
+            run_python(block("ray-data"), tmp_path, extra_env=joined, timeout=400)
+            written = [json.loads(line) for f in sorted((tmp_path / "out_dir").glob("*.json")) for line in f.read_text().splitlines()]
+            assert len(written) == 2 and all(r["text"] for r in written), written
+        finally:
+            output = server.stop()
+        assert "Traceback" not in output, output[-3000:]
+    finally:
+        for node in reversed(nodes):
+            node.stop()
