@@ -91,3 +91,16 @@ def test_the_http_page_names_every_request_field():
 def test_the_benchmarks_pages_simulated_pair_builds(tmp_path):
     out = subprocess.run([sys.executable, "-c", block("sim-pair")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_vllm_page_lists_every_vllm_internal_the_seam_relies_on():
+    from specserve.vllm import seam
+
+    text = (ROOT / "docs" / "vllm.md").read_text()
+    names = set(seam.RUNNER_METHODS) | set(seam.RUNNER_ATTRIBUTES)
+    names |= {where.rpartition(":")[2].rpartition(".")[2] for where, _ in seam.CALLS.values()}
+    names |= {where.rpartition(":")[2] for where in seam.READS if ":" in where}
+    names |= {attr for attrs in seam.READS.values() for attr in attrs}
+    missing = sorted(n for n in names if n not in text)
+    assert not missing, f"docs/vllm.md does not name these vLLM internals of specserve/vllm/seam.py: {missing}"
+    assert f"vLLM {seam.CHECKED[0]}.{seam.CHECKED[1]}" in text, "the page names another vLLM version than seam.CHECKED"
