@@ -11,8 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specserve.demo import DEMO_PROMPTS
-from specserve.demo_models import TARGET_PATH
-from specserve.demo_models import realistic
+from specserve.demo_models import TARGET_PATH, realistic
 from specserve.demo_models.realistic import MARKER, cache_root, cached_pair, pair_key
 
 LAYERS = 12  # the smallest depth with inserted layers (4 trained + one +/- pair after each): fast to build
@@ -22,7 +21,8 @@ def test_builds_once_then_reuses(tmp_path):
     target, draft, built = cached_pair(LAYERS, root=tmp_path)
     assert built and os.path.basename(os.path.dirname(target)) == f"realistic-pair-{pair_key(LAYERS)}"
     assert json.loads((tmp_path / f"realistic-pair-{pair_key(LAYERS)}" / MARKER).read_text())["num_layers"] == LAYERS
-    assert json.loads(open(os.path.join(target, "config.json")).read())["num_hidden_layers"] == LAYERS
+    with open(os.path.join(target, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == LAYERS
     weights = os.path.join(target, "model.safetensors")
     written = os.stat(weights).st_mtime_ns
     said = []
