@@ -112,8 +112,11 @@ class Resumes:
                 elif now - a.last_at > stall_s:
                     # Silent for the stall bound, and so is its replica's engine (or, through the handle
                     # before the first delta names the replica, no replica is up at all).
-                    if (self.directory.idle_s(a.target) > stall_s) if a.target is not None else not self.directory.alive():
-                        a.interrupt("stall" if a.target is not None else "death")
+                    if a.target is None:
+                        if not self.directory.alive():
+                            a.interrupt("death")
+                    elif (idle := self.directory.idle_s(a.target)) is not None and idle > stall_s:
+                        a.interrupt("stall")
 
     async def open(self, c: "ChoiceStream") -> Attempt:
         """An attempt for the choice's rest on a replica that has not failed it (direct stream, else the

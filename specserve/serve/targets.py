@@ -5,7 +5,9 @@ Replicas announce themselves (and their metrics) to the Registry twice a second;
 it twice a second. A replica is up while it is listed and the router has not seen it die; its
 progress is its engine's step counter (``num_steps``) in those announcements, so a replica that is
 listed but stopped stepping (a hung forward), or no longer listed (stopped, partitioned), has been
-idle since the counter last moved. Knows nothing of HTTP or of requests beyond their tokens.
+idle since the counter last moved; a snapshot older than ``FRESH_S`` tells nothing of progress.
+A replica seen to die or stall is left out of the choices until a fresh snapshot shows it stepping
+again, or listed with nothing to do. Knows nothing of HTTP or of requests beyond their tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ from .streams import DirectStream, SparePool, open_stream
 logger = logging.getLogger("specserve.serve")
 REGISTRY_POLL_S = 0.5  # the Registry's snapshot: liveness, drafts' state, metrics (replicas announce every 0.5 s)
 AVOID_S = 5.0  # a target whose direct stream was refused is reached through the Serve handle for this long
-# A replica seen to die (or stall) is left out of the router's choices this long, or until it moves again:
-# longer than a dead one's last announcement stays listed (the Registry's 2 s).
-SUSPECT_S = 5.0
 HEARTBEAT_LAG_S = 1.5  # an announcement reaches the router up to an announce and a poll period late (0.5 s each), and then some
+FRESH_S = 1.5  # a snapshot older than this says nothing about a replica's progress (the Registry is slow or restarting)
+SUSPECT_MAX_S = 60.0  # a replica seen to die or stall is back in the choices after this long, whatever its announcements say
 
 
 @dataclass
@@ -93,6 +94,8 @@ class TargetDirectory:
                 self._progress[name] = Progress(steps, now)
         for name in [n for n, p in self._progress.items() if n not in self.snapshot["target"] and now - p.changed_at > 60]:
             del self._progress[name]
+        for name in [n for n, since in self._suspect.items() if now - since > SUSPECT_MAX_S]:
+            del self._suspect[name]
 
     async def _warm(self) -> None:
         try:
@@ -128,14 +131,19 @@ class TargetDirectory:
 
     # -- liveness and progress --------------------------------------------------------------------
     def usable(self, name: str, now: float | None = None) -> bool:
-        """A replica the router has not seen die or stall lately, or that has stepped since (an
-        announcement made after it was seen)."""
+        """A replica the router has not seen die or stall, or that a snapshot taken since shows
+        stepping again, or listed with nothing to do (a hung one still holds what it was doing)."""
         since = self._suspect.get(name)
         if since is None:
             return True
         now = time.monotonic() if now is None else now
+        t = self.snapshot["target"].get(name)
+        if now - since > SUSPECT_MAX_S:
+            return True
+        if t is None or self.snapshot_at < since + HEARTBEAT_LAG_S:
+            return False
         seen = self._progress.get(name)
-        return now - since > SUSPECT_S or (seen is not None and seen.changed_at > since + HEARTBEAT_LAG_S)
+        return (seen is not None and seen.changed_at > since + HEARTBEAT_LAG_S) or not (t.get("num_running") or t.get("num_waiting"))
 
     def alive(self) -> bool:
         """Is some target replica up? (Assumed while the snapshot is stale: the Registry restarts.)"""
@@ -147,13 +155,17 @@ class TargetDirectory:
         last_suspect = max(self._suspect.values(), default=0.0)
         return now - self.last_target_ok < 1.0 and self.last_target_ok > last_suspect  # (just answered, not listed yet)
 
-    def idle_s(self, name: str) -> float:
-        """How long this replica's engine has not stepped, as far as its announcements tell (0: unknown)."""
+    def idle_s(self, name: str) -> float | None:
+        """How long this replica's engine had not stepped when the last snapshot was taken (it stopped
+        announcing, or announces the same step count); None when that is not known (no recent snapshot,
+        or a replica the router has not seen listed)."""
         seen = self._progress.get(name)
-        return 0.0 if seen is None else time.monotonic() - seen.changed_at
+        if seen is None or time.monotonic() - self.snapshot_at > FRESH_S:
+            return None
+        return self.snapshot_at - seen.changed_at
 
     def suspect(self, name: str) -> None:
-        """Leave a replica out of the choices (seen dead or stalled) until it moves again, or ``SUSPECT_S``."""
+        """Leave a replica out of the choices (seen dead or stalled); see ``usable``."""
         self._suspect[name] = time.monotonic()
 
     def avoid(self, name: str) -> None:
@@ -181,24 +193,26 @@ class TargetDirectory:
 
     async def open_direct(self, rid: str, token_ids: list[int], params: dict, committed: dict | None,
                           exclude: set[str] = frozenset()) -> DirectStream | None:
-        """A direct stream for the request to a replica ``pick`` chooses (on a spare connection when
-        there is one), or None: no replica offers one, or it could not be reached."""
-        picked = self.pick(exclude)
-        if picked is None:
-            return None
-        name, address = picked
+        """A direct stream for the request to the replica ``pick`` chooses (on a spare connection when
+        there is one), or to the next if that one cannot be reached; None when none can."""
+        while True:
+            picked = self.pick(exclude)
+            if picked is None:
+                return None
+            name, address = picked
 
-        def closed() -> None:
-            self._streams_open[name] -= 1
+            def closed(name=name) -> None:
+                self._streams_open[name] -= 1
 
-        try:
-            gen = None if self._spares is None else await self._spares.open(address, rid, token_ids, params, closed, committed)
-            if gen is None:  # no spare connection: connect now
-                gen = await open_stream(address, self.server.stream_token, rid, token_ids, params, on_close=closed, committed=committed)
-        except (OSError, asyncio.TimeoutError, ValueError) as exc:
-            logger.warning("direct stream to %s failed (%s); using the Serve handle", name, exc)
-            self.avoid(name)
-            return None
-        self._streams_open[name] = self._streams_open.get(name, 0) + 1
-        gen.target_name = name
-        return gen
+            try:
+                gen = None if self._spares is None else await self._spares.open(address, rid, token_ids, params, closed, committed)
+                if gen is None:  # no spare connection: connect now
+                    gen = await open_stream(address, self.server.stream_token, rid, token_ids, params, on_close=closed,
+                                            committed=committed)
+            except (OSError, asyncio.TimeoutError, ValueError) as exc:
+                logger.warning("direct stream to %s failed (%s); trying another way", name, type(exc).__name__)
+                self.avoid(name)
+                continue
+            self._streams_open[name] = self._streams_open.get(name, 0) + 1
+            gen.target_name = name
+            return gen
