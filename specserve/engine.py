@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 from .adaptive import SpeculationController, StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
 from .messages import OpenSeq
-from .outputs import Committed, SpecMetrics, StepDelta
+from .outputs import CannotResume, Committed, SpecMetrics, StepDelta
 from .pool import DraftPool
 from .rng import random_seed
 from .sampling_params import SamplingParams
@@ -497,7 +497,8 @@ class EngineLoop:
                     self._deliver(rid, RequestFailed(f"engine step failed ({type(exc).__name__})"))
                 continue
             for rid, exc in result.failed.items():
-                self._deliver(rid, RequestFailed(f"request failed ({type(exc).__name__}: {exc})"))
+                # (a target that cannot resume a request says why, and the router tells the caller)
+                self._deliver(rid, exc if isinstance(exc, CannotResume) else RequestFailed(f"request failed ({type(exc).__name__}: {exc})"))
             self._deliver_all(result.deltas)
 
     def shutdown(self) -> None:

@@ -97,6 +97,10 @@ class StepDelta:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+class CannotResume(Exception):
+    """A target that cannot resume this request from its committed output exactly (the message says why)."""
+
+
 @dataclass(frozen=True)
 class Committed:
     """The output a request already has, for another target replica to resume it from: its output

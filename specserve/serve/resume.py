@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 
-from ..outputs import Committed, RequestOutput, StepDelta
+from ..outputs import CannotResume, Committed, RequestOutput, StepDelta
 from .http import APIError, is_dead_replica, unavailable
 from .streams import StreamRefused, TargetStopping
 
@@ -187,6 +187,10 @@ class ChoiceStream:
             a = self.attempt
             try:
                 chunk = await a.stream.__anext__()
+            except CannotResume as exc:  # this replica cannot go on from the committed output (it says why)
+                self.close()
+                raise unavailable(f"request {self.request_id}: {WHY.get(self.cause, 'its target replica failed')}, and it "
+                                  f"cannot be resumed: {str(exc).splitlines()[-1][:500]}") from None
             except ValueError as exc:  # the target's own validation: the request's fault
                 self.close()
                 raise APIError(400, str(exc).split("\n")[-1][:500]) from None

@@ -15,7 +15,8 @@ Protocol (msgpack frames, a 4-byte little-endian length first):
   for a request resumed from another replica ``"committed"`` (``Committed``: the output it has);
 - the target then sends one ``StepDelta`` dict per step that added tokens (the last has
   ``finished``), or one ``{"error": message, "kind": "invalid" | "busy" | "auth" | "internal" |
-  "stopping"}`` (``stopping``: the replica is shutting down and hands the request back to be resumed).
+  "stopping" | "unresumable"}`` (``stopping``: the replica is shutting down and hands the request
+  back to be resumed; ``unresumable``: this target cannot resume it from its committed output).
 
 Closing the connection, from either side, aborts the request on the target. The listening port
 is bounded: a connection has ``HELLO_TIMEOUT_S`` to prove the secret, nothing over
@@ -38,7 +39,7 @@ from collections import deque
 
 import msgpack
 
-from ..outputs import Committed
+from ..outputs import CannotResume, Committed
 from ..sampling_params import SamplingParams
 from ..secret import new_challenge, prove, verify
 
@@ -198,6 +199,8 @@ class StreamServer:
                 return
             if not gone.done() or gone.cancelled():
                 raise  # the server is closing
+        except CannotResume as exc:
+            writer.write(_pack({"error": str(exc), "kind": "unresumable"}))
         except ValueError as exc:  # the engine's validation: the request's fault
             writer.write(_pack({"error": str(exc), "kind": "invalid"}))
         except Exception as exc:
@@ -294,6 +297,8 @@ class DirectStream:
                 raise StreamRefused(text)
             if kind == "stopping":
                 raise TargetStopping(text)
+            if kind == "unresumable":
+                raise CannotResume(text)
             raise RuntimeError(f"the target failed: {text}")
         if msg.get("finished"):
             self.finished = True

@@ -6,7 +6,8 @@ rejection sampling are vLLM's; drafts come from specserve's draft side through t
 ``DraftLink`` the proposer picks up in this process (``link.park``). Per step: add the
 waiting requests (specserve ``SamplingParams`` -> vLLM's, delta outputs), ``step()``, turn
 each ``RequestOutput`` into a ``StepDelta`` carrying that step's draft and accepted counts
-from the proposer. Tensor/data parallelism, dtype and everything else of the target are
+from the proposer. A resumed request continues after its committed output, or replays it
+(``vllm/resume.py``). Tensor/data parallelism, dtype and everything else of the target are
 vLLM's own arguments (``target_tensor_parallel_size``, ``target_backend_options``). Knows
 nothing of Ray or HTTP.
 """
@@ -22,11 +23,11 @@ from collections import deque
 from ..engine import EngineLoop, RequestQueue, StepResult
 from ..logits_processing import check_token_ids
 from ..models import load_tokenizer, vocab_fingerprint
-from ..outputs import SpecMetrics, StepDelta
+from ..outputs import Committed, SpecMetrics, StepDelta
 from ..secret import TOKEN_ENV, resolve_token
 from ..stopping import StopChecker
 from . import link as links
-from . import patches, seam
+from . import patches, resume, seam
 from .options import engine_kwargs, prepare_env, require_vllm, sync_omp_threads
 
 logger = logging.getLogger("specserve.vllm")
@@ -91,6 +92,7 @@ class VLLMEngineCore(RequestQueue):
         self._top_n: dict[str, int] = {}  # request id -> top logprobs asked for (requests that asked)
         self._prompt_n: dict[str, tuple[int, list[int]]] = {}  # request id -> (top prompt logprobs, prompt), until vLLM sends them
         self._prompt_lp: dict[str, list] = {}  # request id -> prompt logprobs received, until its first delta carries them
+        self._replays: dict[str, resume.Replay] = {}  # resumed requests regenerating their committed output
         self.totals = SpecMetrics()
         self.counters = {"num_steps": 0, "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0,
                          "num_proposals": 0, "num_verify_steps": 0}
@@ -106,7 +108,7 @@ class VLLMEngineCore(RequestQueue):
         return self.proposer.pool if self.proposer is not None else None
 
     # -- requests (EngineLoop's surface) --------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params) -> None:
+    def validate(self, prompt_token_ids: list[int], params, committed: Committed | None = None) -> None:
         t = self.target
         if not prompt_token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
@@ -123,6 +125,9 @@ class VLLMEngineCore(RequestQueue):
             name = "logit_bias" if params.logit_bias else "min_p"
             raise ValueError(f"{name} is not applied by this vLLM's sampler when speculation is on; "
                              "use specserve's own target engine (target_backend: hf) or a deployment without a draft")
+        if committed is not None:
+            committed.check(len(prompt_token_ids), params, t.vocab_size, t.max_model_len)
+            resume.check(params, committed, t.tokenizer)
 
     def abort(self, request_id: str) -> bool:
         if self._drop_waiting(request_id):
@@ -130,6 +135,7 @@ class VLLMEngineCore(RequestQueue):
         self._top_n.pop(request_id, None)
         self._prompt_n.pop(request_id, None)
         self._prompt_lp.pop(request_id, None)
+        self._replays.pop(request_id, None)
         if self.target.seqs.pop(request_id, None) is None:
             return False
         self.engine.abort_request([request_id])  # vLLM frees it; the proposer's hook closes it on the draft
@@ -173,6 +179,11 @@ class VLLMEngineCore(RequestQueue):
         result = StepResult()
         while self.waiting:
             rid, prompt, params, committed = self.waiting.popleft()
+            if committed is not None:
+                if resume.continues(params, committed, self.target.tokenizer):
+                    prompt, params = resume.continued(prompt, params, committed)
+                else:
+                    self._replays[rid] = resume.Replay(committed)
             try:
                 self.target.seqs[rid] = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), self._params(params))
                 if params.logprobs is not None:
@@ -200,13 +211,27 @@ class VLLMEngineCore(RequestQueue):
                 continue
             drafted, accepted, fallback = stats.get(internal, (0, 0, False))
             done = out.finished
-            delta = StepDelta(out.request_id, list(comp.token_ids), comp.text or "", done, comp.finish_reason if done else None,
+            token_ids, text, logprobs = list(comp.token_ids), comp.text or "", _logprobs(comp, self._top_n.get(out.request_id, 0))
+            replay = self._replays.get(out.request_id)
+            if replay is not None:
+                try:
+                    token_ids, text, logprobs = replay.take(token_ids, text, logprobs)
+                except Exception as exc:  # it diverged: this request cannot go on exactly
+                    self.abort(out.request_id)
+                    result.failed[out.request_id] = exc
+                    continue
+                if replay.done:
+                    del self._replays[out.request_id]
+                if not token_ids and not text and not done:
+                    continue
+            delta = StepDelta(out.request_id, token_ids, text, done, comp.finish_reason if done else None,
                               comp.stop_reason if done else None, drafted, accepted, fallback,
-                              _logprobs(comp, self._top_n.get(out.request_id, 0)), self._prompt_lp.pop(out.request_id, None))
+                              logprobs, self._prompt_lp.pop(out.request_id, None))
             if done:
                 del self.target.seqs[out.request_id]
                 self._top_n.pop(out.request_id, None)
                 self._prompt_n.pop(out.request_id, None)
+                self._replays.pop(out.request_id, None)
             self.totals.record(drafted, accepted, fallback)
             self.counters["num_generated_tokens"] += len(delta.token_ids)
             result.deltas.append(delta)
