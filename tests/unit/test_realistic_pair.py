@@ -36,14 +36,14 @@ def test_builds_once_then_reuses(tmp_path):
 
 def test_a_half_written_cache_is_never_used(tmp_path, monkeypatch):
     final = tmp_path / f"realistic-pair-{pair_key(LAYERS)}"
-    real_build = realistic._build
+    real_build = realistic.build_pair
 
     def killed(out, num_layers, scale):  # a build that dies after writing some of its files
         (out / "target").mkdir()
         (out / "target" / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(realistic, "_build", killed)
+    monkeypatch.setattr(realistic, "build_pair", killed)
     with pytest.raises(KeyboardInterrupt):
         cached_pair(LAYERS, root=tmp_path)
     assert list(tmp_path.iterdir()) == []  # neither the final folder nor the temporary one
@@ -53,7 +53,7 @@ def test_a_half_written_cache_is_never_used(tmp_path, monkeypatch):
     stale = tmp_path / f".{final.name}.abc.tmp"  # a build killed so hard that it could not clean up
     stale.mkdir()
     os.utime(stale, (time.time() - 2 * realistic.STALE_BUILD_S,) * 2)
-    monkeypatch.setattr(realistic, "_build", real_build)
+    monkeypatch.setattr(realistic, "build_pair", real_build)
     said = []
     target, _, built = cached_pair(LAYERS, root=tmp_path, say=said.append)
     assert built and len(said) == 1 and (final / MARKER).is_file() and os.path.isfile(os.path.join(target, "model.safetensors"))
