@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -60,6 +61,7 @@ DECIDE_EVERY = 4  # choices between two looks at the predictions (they move slow
 PUSH_EVERY = 4
 OBSERVATIONS = 500  # a position's acceptance and coverage: the mean of the first this many draws, an EMA after
 PRIOR_ACCEPTANCE, PRIOR_COVERAGE = 0.7, 0.5
+TRACE_EVENTS = 500_000
 
 
 def _ema(old: float | None, new: float, w: float) -> float:
@@ -106,7 +108,8 @@ class SpeculationController:
         self._run: tuple = (None, 0)  # the arm of the current run of pure cycles, and its length
         self._k0_steps = 0
         self.k, self.cache_only, self.arm = max_k, False, None  # this step's choice (arm None: nothing to measure)
-        self.trace = [] if (os.environ.get("SPECSERVE_TRACE") if trace is None else trace) else None
+        # SPECSERVE_TRACE=1: every observation and choice, the last TRACE_EVENTS of them (``replay``)
+        self.trace = deque(maxlen=TRACE_EVENTS) if (os.environ.get("SPECSERVE_TRACE") if trace is None else trace) else None
 
     # -- the model -----------------------------------------------------------------------------
     def _coverage(self, batch_size: int) -> list[float]:
@@ -188,6 +191,8 @@ class SpeculationController:
         if not (ended or due or st.current is None or st.choices % DECIDE_EVERY == 0):
             return
         rates = self.rates(batch_size, True)
+        if not rates:  # the warm-up's cycles were not measurable (idle gaps): keep the arm until some are
+            return
         allowed = {a: r for a, r in rates.items() if cache or not a.cache_only}
         best = max(allowed, key=allowed.get)
         mine = rates.get(st.current)
@@ -298,20 +303,30 @@ class SpeculationController:
 
     def state(self) -> dict:
         arms = {str(1 << b): f"{st.current.k}{'c' if st.current.cache_only else ''}"
-                for b, st in sorted(self.buckets.items()) if st.current is not None}
-        fits = {str(1 << b): c for b in sorted(self.model.fits) if (c := self.model.coefficients(1 << b)) is not None}
-        rates = {f"{1 << b}/{a.k}{'c' if a.cache_only else ''}": round(r, 1) for b in sorted(self.buckets)
+                for b, st in sorted(dict(self.buckets).items()) if st.current is not None}
+        fits = {str(1 << b): c for b in sorted(dict(self.model.fits)) if (c := self.model.coefficients(1 << b)) is not None}
+        rates = {f"{1 << b}/{a.k}{'c' if a.cache_only else ''}": round(r, 1) for b in sorted(dict(self.buckets))
                  for a, r in self.rates(1 << b, True).items()}
         out = {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "adaptive": self.adaptive,
                "arm_by_bucket": arms, "acceptance_per_pos": list(self.acceptance),
-               "coverage_per_pos": {str(1 << b): list(c) for b, c in sorted(self.coverage.items())},
+               "coverage_per_pos": {str(1 << b): list(c) for b, c in sorted(dict(self.coverage).items())},
                "cycle_model": fits,  # seconds = c . [1, B, B*k, speculating, drafting misses * k, prefill tokens]
                "predicted_tokens_per_s": rates,  # by bucket and arm (k, 'c' for cache-only)
                "link_ms": (self.link_s or 0.0) * 1e3, "link_floor_ms": (self.link_floor_s or 0.0) * 1e3,
                "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate or 0.0}
         if self.trace is not None:
-            out["trace"] = list(self.trace)
+            out["trace"] = _copy(self.trace)
         return out
+
+
+def _copy(events: deque) -> list:
+    """The trace as a list, though the engine's thread may append meanwhile (a deque then refuses iteration)."""
+    for _ in range(10):
+        try:
+            return list(events)
+        except RuntimeError:
+            continue
+    return []
 
 
 def replay(trace: Iterable[tuple], controller: SpeculationController) -> list:
