@@ -88,10 +88,10 @@ def prepare_pair(name: str, draft: str, say=print) -> Pair:
         draft_layers = _num_layers(resolve_model(draft))
         what = "an EAGLE-3 head trained for it" if draft == "demo:eagle" else f"a {draft_layers}-layer draft"
         return Pair("tiny", "demo:target", draft, tiny_layers, draft_layers,
-                    f"tiny: the shipped {tiny_layers}-layer demo target and {what}, trained on Python's standard library; "
+                    f"tiny: the shipped {tiny_layers}-layer demo target (trained on Python's standard library) and {what}; "
                     "so small that on a CPU a draft step costs almost as much as a target step")
     if draft == "demo:eagle":
-        raise ValueError("--draft demo:eagle is trained for the tiny target's hidden states: use it with --pair tiny")
+        raise ValueError("demo:eagle is trained for the tiny target's hidden states: it drafts for the tiny pair only")
     from .demo_models.realistic import cached_pair
 
     target, draft_dir, built = cached_pair(say=lambda msg: say("      " + msg))
@@ -145,6 +145,8 @@ def run_demo(args) -> int:
     check_port(args.host, args.port)
     draft = getattr(args, "draft", "demo:draft")
     name = getattr(args, "pair", None) or ("tiny" if draft == "demo:eagle" else "realistic")
+    if name == "realistic" and draft == "demo:eagle":
+        raise ValueError("--draft demo:eagle is trained for the tiny target's hidden states: use it with --pair tiny")
     steps = 5
     t0 = _step(1, steps, f"preparing the {name} pair")
     pair = prepare_pair(name, draft)
