@@ -2,7 +2,8 @@
 (real Ray Serve on logical nodes, real HTTP, the openai client, the demo pair).
 
 The batch: ten requests, greedy and seeded sampling, streamed and not, chat and completions, n = 2,
-a JSON schema, penalties, a stop string, logprobs, echo, logit_bias, min_p and min_tokens. It runs
+a JSON schema, penalties, a stop string, logprobs, echo, logit_bias, min_p and min_tokens, and one
+more through the handle API (``specserve.connect``). It runs
 once undisturbed; then, while every stream is mid-flight, one of two target replicas is SIGKILLed,
 SIGSTOPped, made to raise inside a step, or scaled away; last, the only replica left is SIGKILLed
 and Serve restarts it. Each time every request succeeds with exactly the undisturbed output (the
@@ -81,14 +82,19 @@ def deploy(tmp_path: Path, port: int, replicas: int) -> None:
 
 
 def wait_for(base: str, targets: int, timeout: float = 300) -> None:
+    """``targets`` live target replicas, each announcing itself (a replacement that is still loading, or a
+    dead replica still listed, does not count), and the app healthy."""
+    from ray import serve
+
     def up():
         try:
             h = httpx.get(f"{base}/health", timeout=10).json()
         except (httpx.HTTPError, ValueError):
             return False
-        return h.get("targets") == targets and h.get("status") == "ok"
-    wait_until(up, timeout, 0.25, f"{targets} target replica(s) up")
-    wait_until(lambda: len(target_pids()) == targets, timeout, 0.25, f"{targets} Target actor(s)")
+        listed = set(serve.get_deployment_handle("Registry", app_name=APP).snapshot.remote().result()["target"])
+        live = {f"target-{handle._actor_id.hex()[:12]}" for handle, pid, _ in serve_actors(APP, "Target") if alive(pid)}
+        return h.get("status") == "ok" and len(live) == targets and listed == live
+    wait_until(up, timeout, 0.25, f"{targets} target replica(s) up and announcing")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +128,7 @@ def requests(stop: str) -> list[dict]:
                   "stream": True, **ids}),
         ("completions", {"prompt": "while True:\n", "max_tokens": 70, "n": 2, "temperature": 1.0, "seed": 11, "min_tokens": 30, "min_p": 0.05,
                          "logit_bias": {"32": 2.0, "101": -4.0}, **ids}),
+        ("handle", {"prompt": "def main():\n", "max_tokens": 80, "ignore_eos": True, "temperature": 0.7, "seed": 17, "stream": True}),
     ]
 
 
@@ -137,6 +144,8 @@ def _lp(lp) -> list | None:
 async def one(client: openai.AsyncOpenAI, endpoint: str, body: dict, progress: dict, key: int, request_id: str | None) -> dict:
     """One request's result: per choice its text, token ids, finish reason and logprobs; for a stream also
     the ids its chunks carried, and the resumes its choices report."""
+    if endpoint == "handle":
+        return await via_handle(body, progress, key)
     body = dict(body)
     known = {"messages", "prompt", "max_tokens", "temperature", "seed", "n", "stream", "logprobs", "top_logprobs", "stop",
              "presence_penalty", "frequency_penalty", "response_format", "logit_bias", "echo"}
@@ -166,6 +175,22 @@ async def one(client: openai.AsyncOpenAI, endpoint: str, body: dict, progress: d
                 resumes += chunk.specserve["num_resumes"]
         progress[key] = progress.get(key, 0) + 1
     return {"choices": choices, "resumes": resumes, "ids": ids}
+
+
+async def via_handle(body: dict, progress: dict, key: int) -> dict:
+    """One streamed request through the app's handle API (``specserve.connect``: the router's deployment handle)."""
+    import specserve
+    from specserve import SamplingParams
+
+    client = await asyncio.to_thread(specserve.connect, APP)
+    params = SamplingParams(**{k: v for k, v in body.items() if k not in ("prompt", "stream")})
+    choice = {"text": "", "token_ids": [], "finish": None, "logprobs": None}
+    async for d in client.stream(body["prompt"], params):
+        choice["text"] += d.text
+        choice["token_ids"] += d.token_ids
+        choice["finish"] = d.finish_reason or choice["finish"]
+        progress[key] = progress.get(key, 0) + 1
+    return {"choices": {0: choice}, "resumes": 0}
 
 
 def run_batch(base: str, batch: list, disturb=None, request_id: str | None = None) -> list:
@@ -302,7 +327,7 @@ def test_a_replica_that_raises_inside_a_step(app, batch, undisturbed):
     before = resumed(base)
     results = run_batch(base, batch, request_id=FAIL_MARK)
     assert_same(results, undisturbed)
-    choices = sum(len(r["choices"]) for r in undisturbed)
+    choices = sum(len(r["choices"]) for (endpoint, _), r in zip(batch, undisturbed) if endpoint != "handle")  # (HTTP: marked)
     assert resumed(base)["error"] - before["error"] == choices
 
 
