@@ -132,3 +132,16 @@ def test_committed_round_trips_and_rejects_bad_values():
     for bad in ({"token_ids": [1, -2]}, {"token_ids": [1], "num_text_chars": -1}, {"token_ids": [True]}):
         with pytest.raises(ValueError, match="committed"):
             Committed.from_dict(bad)
+
+
+def test_an_unseeded_sampled_request_resumes_as_a_valid_sample(llm):
+    """Unseeded: the rest is a new draw (it was random to begin with), under the same constraint and limits."""
+    prompt = llm._engine.target.tokenizer.encode(PROMPT_TEXT)
+    params = SamplingParams(temperature=1.0, max_tokens=60, structured_outputs=("json", json.dumps(SCHEMA)))
+    whole = run(llm, prompt, params, rid="unseeded-whole")
+    before = whole[:2]
+    rest = run(llm, prompt, params, Committed(tuple(tokens(before)), len(text(before))), rid="unseeded-resumed")
+    assert len(tokens(before) + tokens(rest)) <= 60
+    if rest[-1].finish_reason == "stop":
+        value = json.loads(text(before) + text(rest))
+        assert isinstance(value["name"], str) and isinstance(value["size"], int)
