@@ -50,6 +50,18 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
+def _wait_for(url: str, deadline: float) -> None:
+    """Until ``url`` answers 200; the last error once ``deadline`` (time.monotonic) has passed."""
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10):
+                return
+        except OSError:  # urllib's HTTPError and URLError among them
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def _step(i: int, n: int, msg: str) -> float:
     print(f"[{i}/{n}] {msg}", flush=True)
     return time.perf_counter()
@@ -176,6 +188,8 @@ def run_demo(args) -> int:
             serve.run_many([RunTarget(build_app(spec_cfg), name="specserve", route_prefix="/", logging_config=quiet),
                             RunTarget(build_app(_app_config(pair, False, 0)), name="baseline", route_prefix="/baseline",
                                       logging_config=quiet)])
+            for route in (base, f"{base}/baseline"):  # Serve's proxy learns a new app's route a moment after it runs
+                _wait_for(f"{route}/v1/models", deadline=time.monotonic() + 120)
         print(f"      both apps up in {time.perf_counter() - t0:.1f}s", flush=True)
 
         _step(4, steps, f"sending {len(DEMO_PROMPTS)} completions (greedy, max_tokens={args.max_tokens}) to both, one at a time")
