@@ -164,6 +164,8 @@ class StreamServer:
                 self.streaming -= 1
         except (ConnectionError, OSError):
             pass  # the router went away: the request was aborted where it ran
+        except asyncio.CancelledError:
+            pass  # the target is stopping; a cancelled handler is an "Exception in callback" to Python 3.11's streams
         finally:
             self._writers.discard(writer)
             writer.close()
