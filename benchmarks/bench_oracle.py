@@ -80,7 +80,7 @@ def build(setting: Setting, arm, k: int, scale: float, address: str, trace: bool
     kw = dict(ray=True, address=address, target_backend="sim", target_backend_options=target, cpu_threads=1, max_num_seqs=256,
               runtime_env={"env_vars": env}, **ROLE_OPTIONS)
     if arm is not None and not arm[0]:
-        return LLM(f"sim:{setting.target}", draft=None, **kw)
+        return LLM(f"sim:{setting.target}", draft=None, **kw)  # (its cycles are traced with no arm: target-only's)
     delay_ms = load_link(setting.link).one_way_s(64) * 1e3 * scale  # a greedy step's message: token ids only
     draft = {"profile": setting.draft, "time_scale": scale, "vocab_size": 1024, "acceptance": setting.acceptance}
     fixed = {} if arm is None else {"adaptive": False, "cache_only": arm[1]}
@@ -99,7 +99,8 @@ def run_load(llm, prompts, batch: int, max_tokens: int) -> tuple[float, list[lis
 
 
 def segments(trace: list, batch: int) -> list[dict]:
-    """A fixed arm's recorded steps at full batch: what the replay draws from (``bench_replay``)."""
+    """A fixed arm's recorded steps at full batch: what the replay draws from (``bench_replay``). A
+    target without a draft records its cycles with no arm: target-only's."""
     out, current = [], None
     for event in trace:
         kind = event[0]
@@ -113,7 +114,7 @@ def segments(trace: list, batch: int) -> list[dict]:
             current["coverage"].append(list(event[1:3]))
         elif kind == "cycle":
             _, b, tokens, seconds, arm, pure, prefill = event
-            if b == batch and arm is not None and pure:
+            if b == batch and pure:
                 out.append({**current, "tokens": tokens, "seconds": seconds, "prefill": prefill})
             current = None
     return out
@@ -132,6 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32, help="tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     p.add_argument("--target-step-ms", type=float, default=25.0, help="the target's batch-1 decode step after time scaling")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each system, one a round, the order rotating")
     p.add_argument("--traces", action="store_true", help="save the fixed arms' cycles for bench_replay")
     p.add_argument("--out", default="bench_out/oracle", help="folder for tables.md, results.json, oracle.png")
     a = p.parse_args(argv)
@@ -156,25 +158,34 @@ def main(argv=None) -> int:
             r = random.Random(0)
             loads = {b: [[r.randrange(1024) for _ in range(a.prompt_tokens)] for _ in range(max(4, a.prompts_per_slot * b))]
                      for b in batches}
-            reference: dict[int, list] = {}
-            for arm in systems:
-                name = "adaptive" if arm is None else arm_name(arm)
-                llm = build(setting, arm, a.k, scale, cluster.address, a.traces and arm is not None)
-                try:
-                    for b in batches:
+            names = ["adaptive" if arm is None else arm_name(arm) for arm in systems]
+            llms = {}
+            try:
+                for name, arm in zip(names, systems):
+                    llms[name] = build(setting, arm, a.k, scale, cluster.address, a.traces and arm is not None)
+                for b in batches:
+                    for llm in llms.values():
                         run_load(llm, loads[b], b, a.max_tokens)  # the same load once, untimed
-                        rate, tokens, metrics = run_load(llm, loads[b], b, a.max_tokens)
-                        if arm == (0, False):
-                            reference[b] = tokens
+                    rates, exact = {n: [] for n in names}, {n: True for n in names}
+                    reference = None
+                    for rnd in range(a.repeats):  # every system once a round, the order rotating
+                        for name in names[rnd % len(names):] + names[: rnd % len(names)]:
+                            rate, tokens, metrics = run_load(llms[name], loads[b], b, a.max_tokens)
+                            rates[name].append(rate)
+                            reference = tokens if reference is None and name == "target-only" else reference
+                            exact[name] = exact[name] and (reference is None or tokens == reference or name == "target-only")
+                            print(f"[{time.perf_counter() - started:6.0f}s] {setting.name} batch {b} round {rnd + 1} {name}: "
+                                  f"{rate:.1f} tok/s", flush=True)
+                    for name in names:
+                        metrics = llms[name].metrics()
                         spec = metrics.get("speculation") or {}
-                        rows.append({"setting": setting.name, "batch": b, "system": name, "tokens_per_s": rate,
-                                     "exact": reference.get(b) == tokens if b in reference else None,
-                                     "arm_by_bucket": spec.get("arm_by_bucket"), "steps": metrics.get("num_steps")})
-                        if a.traces and arm is not None and spec.get("trace"):
+                        rows.append({"setting": setting.name, "batch": b, "system": name, "tokens_per_s": statistics.median(rates[name]),
+                                     "rounds": rates[name], "exact": exact[name] if "target-only" in names else None,
+                                     "arm_by_bucket": spec.get("arm_by_bucket")})
+                        if a.traces and name != "adaptive" and spec.get("trace"):
                             traces.setdefault(setting.name, {}).setdefault(str(b), {})[name] = segments(spec["trace"], b)
-                        print(f"[{time.perf_counter() - started:6.0f}s] {setting.name} batch {b} {name}: {rate:.1f} tok/s",
-                              flush=True)
-                finally:
+            finally:
+                for llm in llms.values():
                     llm.shutdown()
     summary = summarize(rows)
     results = {"header": header("benchmarks.bench_oracle", argv), "args": vars(a), "settings": [asdict(s) for s in settings],
