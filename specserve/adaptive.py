@@ -26,8 +26,8 @@ predicted tokens per second; k = 0 whenever target-only has. The rules around th
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
-Both target engines (``EngineCore``, the vLLM proposer) decide with ``plan_draft_lengths`` and report
-each step as a ``StepRecord`` and each cycle with its arm. Decisions are a pure function of the
+Both target engines (``EngineCore``, the vLLM proposer) decide through ``step_plan.py`` and report
+each step and each cycle with its arm. Decisions are a pure function of the
 observations (``trace``, ``replay``). Pure Python and numpy; knows nothing of models or transports.
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -348,76 +348,3 @@ def replay(trace: Iterable[tuple], controller: SpeculationController) -> list:
         elif kind == "push":
             controller.push_due(*args)
     return chosen
-
-
-@dataclass
-class StepRecord:
-    """What one verify step measured; the controller learns from it and the engines add it up."""
-
-    batch_size: int  # sequences verified
-    tokens_per_row: int  # 1 + the longest draft block verified
-    target_s: float  # the step's whole cost but the wait for the drafts: the verify, scheduling, bookkeeping
-    outcome: object | None = None  # the drafts' ``ProposeOutcome`` for this step's blocks (None: nothing asked)
-    num_blocks: int = 0  # non-empty draft blocks verified
-    num_hits: int = 0  # of which answered from the speculation cache
-    asked: dict = field(default_factory=dict)  # request id -> k asked of the drafts for these blocks
-    cache_only: bool = False  # the drafts were told to answer from their speculation caches only
-    warm: bool = False  # the ask before asked the same sequences for at least as many tokens
-
-
-def is_warm(previous: dict | None, asked: dict) -> bool:
-    """Whether every sequence asked now was asked last time for at least as many tokens (the drafts
-    then drafted ahead for it): only such cache-only steps say what the cache covers."""
-    return bool(previous) and all(previous.get(rid, 0) >= k for rid, k in asked.items())
-
-
-def observe(controller: SpeculationController, record: StepRecord) -> None:
-    o = record.outcome
-    if o is not None and record.cache_only and record.warm:
-        for rid, k in record.asked.items():
-            block = o.blocks.get(rid)
-            if block is not None:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
-                controller.observe_coverage(k, len(block.draft_token_ids), record.batch_size)
-    if o is None:
-        controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s)
-    else:
-        controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s, o.wait_s, o.compute_s + o.queue_s,
-                                o.draft_step_s, record.num_blocks, record.num_hits)
-
-
-def plan_draft_lengths(controller: SpeculationController, batch_size: int, have_draft: bool,
-                       rows: Iterable[tuple[str, int, bool]], cache: bool = False, seeded: bool | None = None) -> dict[str, int]:
-    """This step's draft length per sequence, from (request id, room, seeded and sampled) rows;
-    ``controller.cache_only`` then says whether the drafts answer from their caches alone.
-
-    Every row gets the controller's k for the batch, capped by its room (max_tokens, context); a
-    seeded sampled request keeps the configured k and full blocks, because block boundaries decide
-    which draws become which tokens. Rows that get 0 ask the draft nothing this step. ``seeded``
-    (whether any row is seeded and sampled), when the caller knows it, spares reading the rows on a
-    step whose k is 0."""
-    if seeded is None:
-        rows = list(rows)
-        seeded = any(s for _, _, s in rows)
-    k = controller.choose(batch_size, have_draft, cache and not seeded)
-    fixed = controller.max_k if have_draft else 0
-    if k == 0 and not (seeded and fixed):
-        return {}
-    out = {}
-    for rid, room, seeded_sampled in rows:
-        n = min(fixed if seeded_sampled else k, room)
-        if n > 0:
-            out[rid] = n
-    return out
-
-
-def hold_first_blocks(wants: dict[str, int], new_ids: Iterable[str], speculates_first: Callable) -> bool:
-    """A new sequence's first step goes without drafts, so neither its first token nor the batch waits
-    for the draft to prefill its prompt (the draft catches up from the verdict and drafts its first
-    block ahead meanwhile). ``speculates_first(rid)``: a sequence that keeps its block (a seeded
-    sampled request, whose draws follow block boundaries). True when a block was held back: the
-    new sequence's open must still go out this step."""
-    held = False
-    for rid in new_ids:
-        if not speculates_first(rid):
-            held = wants.pop(rid, None) is not None or held
-    return held

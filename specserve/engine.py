@@ -22,7 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
-from .adaptive import SpeculationController, StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
+from .adaptive import SpeculationController
+from .step_plan import StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
 from .messages import OpenSeq
 from .outputs import CannotResume, Committed, SpecMetrics, StepDelta
 from .pool import DraftPool

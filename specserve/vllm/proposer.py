@@ -30,7 +30,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..adaptive import SpeculationController, StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
+from ..adaptive import SpeculationController
+from ..step_plan import StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
 from ..config import resolve_model
 from ..devices import placement
 from ..messages import DraftProcessing, Hello, OpenSeq, VerifyResult
