@@ -33,6 +33,7 @@ ENTRY_POINTS = {
     "benchmarks.bench_http": "each hop",
     "benchmarks.bench_cluster": "round trip",
     "benchmarks.bench_oracle": "best fixed arm",
+    "benchmarks.bench_plan": "specserve plan",
     "benchmarks.bench_replay": "recorded cycles",
     "benchmarks.bench_resume": "target replica's death",
     "benchmarks.dev.bench_draft_forward": "eager against compiled",

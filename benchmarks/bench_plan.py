@@ -1,0 +1,113 @@
+"""How close does ``specserve plan`` come to the rate the system then delivers?
+
+For each pair and batch size: the plan's prediction (``--source measured``: ``plan.measure``, a short
+run after which the controller's own fit predicts every arm; ``profiles``: the simulator's profiles,
+for the ``sim`` pair only), then a run of the system with its defaults on the same prompts, B
+requests in flight, after one untimed run of the same load, in the two-device harness (each Ray node
+on cores of its own). Prints predicted and delivered tokens/s and their ratio; greedy outputs.
+
+    python -m benchmarks.bench_plan --pairs realistic,sim --batch-sizes 1,8      # ~10 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+SIM = ("qwen3-8b-h100", "qwen3-0.6b-h100", 0.7)  # target and draft profiles, greedy acceptance
+SIM_STEP_MS = 25.0
+
+
+def pair(name: str):
+    """(target, draft, LLM keywords, prompts) for a pair."""
+    if name == "sim":
+        from specserve.backends.sim_latency import load_profile
+
+        scale = SIM_STEP_MS / 1e3 / load_profile(SIM[0]).decode_step_s(1, 128)
+        options = {"time_scale": scale, "vocab_size": 1024}
+        kw = dict(target_backend="sim", draft_backend="sim", target_backend_options={**options, "profile": SIM[0]},
+                  draft_backend_options={**options, "profile": SIM[1], "acceptance": SIM[2]})
+        r = random.Random(0)
+        return f"sim:{SIM[0]}", f"sim:{SIM[1]}", kw, [[r.randrange(1024) for _ in range(32)] for _ in range(64)], scale
+    from .scenarios import heldout_prompts
+
+    if name == "demo":
+        from specserve.demo_models import DRAFT_PATH, TARGET_PATH
+
+        target, draft = str(TARGET_PATH), str(DRAFT_PATH)
+    elif name == "realistic":
+        from specserve.demo_models.realistic import cached_pair
+
+        target, draft = (str(p) for p in cached_pair())
+    else:
+        raise ValueError(f"unknown pair {name!r}: demo, realistic or sim")
+    prompts, _ = heldout_prompts(target, 64, 32)
+    return target, draft, dict(target_backend="hf", dtype="float32"), prompts, None
+
+
+def delivered(llm, prompts, batch: int, max_tokens: int) -> float:
+    from specserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    load = [prompts[i % len(prompts)] for i in range(max(4 * batch, 8))]
+    llm.generate(load, params, use_tqdm=False, max_in_flight=batch)  # untimed, as the plan's own run
+    start = time.perf_counter()
+    outs = llm.generate(load, params, use_tqdm=False, max_in_flight=batch)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def main(argv=None) -> int:
+    from specserve import LLM, plan
+
+    from .bench_cluster import THREAD_ENV, local_cluster
+    from .cli import header, parser
+
+    p = parser("benchmarks.bench_plan", __doc__)
+    p.add_argument("--pairs", default="realistic,sim", help="pairs, comma-separated: demo, realistic, sim")
+    p.add_argument("--batch-sizes", default="1,8", help="powers of two, comma-separated")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--out", default="bench_out/plan", help="folder for tables.md and results.json")
+    a = p.parse_args(argv)
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with local_cluster() as cluster:
+        for name in a.pairs.split(","):
+            target, draft, kw, prompts, scale = pair(name)
+            kw.update(ray=True, address=cluster.address, num_speculative_tokens=a.k, cpu_threads=1,
+                      target_num_cpus=1, draft_num_cpus=1, runtime_env={"env_vars": THREAD_ENV})
+            measured = {r["batch_size"]: r for r in plan.measure(target, draft, prompts, batches, a.max_tokens, **kw)}
+            profiled = {}
+            if name == "sim":
+                profiled = {r["batch_size"]: r for r in plan.predict(SIM[0], SIM[1], "10gbe", SIM[2], batches, a.k, context=64,
+                                                                    time_scale=scale) if r["deployment"] == "remote, drafting ahead"}
+            with LLM(target, draft=draft, **kw) as llm:
+                for b in batches:
+                    got = delivered(llm, prompts, b, a.max_tokens)
+                    row = {"pair": name, "batch": b, "delivered": got, "measured_plan": measured[b]["tokens_per_s"],
+                           "measured_arm": plan.arm_text(measured[b]["arm"])}
+                    if b in profiled:
+                        row.update(profiled_plan=profiled[b]["tokens_per_s"], profiled_arm=plan.arm_text(profiled[b]["arm"]))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    lines = [header("benchmarks.bench_plan", argv), "", "| pair | batch | delivered tok/s | plan (measured) | its arm | "
+             "measured / delivered | plan (profiles) | profiles / delivered |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in rows:
+        prof = r.get("profiled_plan")
+        profiles = "- | -" if prof is None else f"{prof:.1f} | {prof / r['delivered']:.2f}"
+        lines.append(f"| {r['pair']} | {r['batch']} | {r['delivered']:.1f} | {r['measured_plan']:.1f} | {r['measured_arm']} "
+                     f"| {r['measured_plan'] / r['delivered']:.2f} | {profiles} |")
+    table = "\n".join(lines) + "\n"
+    (out / "tables.md").write_text(table)
+    (out / "results.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
