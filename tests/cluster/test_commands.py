@@ -28,6 +28,9 @@ from ..doc_blocks import block
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+# `serve run` joins the newest Ray running on the machine (another test's, another user's); given this, it
+# starts a fresh one, as it does on a machine with no other Ray.
+FRESH_RAY = {"RAY_ADDRESS": "local"}
 
 
 def env(extra: dict | None = None) -> dict:
@@ -264,7 +267,7 @@ def test_readme_http_walkthrough(tmp_path):
 def test_readme_serve_run_yaml(tmp_path):
     if not port_free(8000):
         pytest.skip("port 8000 is busy")
-    server = Server(block("serve-run").strip(), r"ready: model id 'demo', 1 target and 1 draft", ROOT)
+    server = Server(block("serve-run").strip(), r"ready: model id 'demo', 1 target and 1 draft", ROOT, extra_env=FRESH_RAY)
     try:
         r = httpx.post("http://127.0.0.1:8000/v1/completions", timeout=120,
                        json={"model": "demo", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
@@ -304,7 +307,7 @@ def test_one_config_file_drives_llm_serve_and_serve_run(tmp_path):
     serve_yaml = tmp_path / "serve.yaml"
     serve_yaml.write_text(yaml.safe_dump({"http_options": {"host": "127.0.0.1", "port": port}, "applications": [
         {"name": "specserve", "route_prefix": "/", "import_path": "specserve.serve:build_app", "args": {"config": str(path)}}]}))
-    server = Server(f"serve run {serve_yaml}", r"ready: model id 'demo'", tmp_path)
+    server = Server(f"serve run {serve_yaml}", r"ready: model id 'demo'", tmp_path, extra_env=FRESH_RAY)
     try:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
                        json={"model": "demo", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
