@@ -121,7 +121,7 @@ def segments(trace: list, batch: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from .cli import header, parser
+    from .cli import parser
 
     p = parser("benchmarks.bench_oracle", __doc__)
     p.add_argument("--settings", default=",".join(s.name for s in SETTINGS), help="settings to run, comma-separated: "
@@ -183,22 +183,32 @@ def main(argv=None) -> int:
                                      "rounds": rates[name], "exact": exact[name] if "target-only" in names else None,
                                      "arm_by_bucket": spec.get("arm_by_bucket")})
                         if a.traces and name != "adaptive" and spec.get("trace"):
-                            traces.setdefault(setting.name, {}).setdefault(str(b), {})[name] = segments(spec["trace"], b)
+                            by_batch = traces.setdefault(setting.name, {}).setdefault(str(b), {"load_tokens": len(loads[b]) * a.max_tokens})
+                            by_batch[name] = segments(spec["trace"], b)
             finally:
                 for llm in llms.values():
                     llm.shutdown()
+            save(out, a, argv, settings, rows, traces)  # after each setting: a stopped sweep keeps what it measured
+    table = save(out, a, argv, settings, rows, traces)
+    print(table)
+    return 0
+
+
+def save(out: Path, a, argv, settings, rows: list[dict], traces: dict) -> str:
+    """results.json, tables.md, oracle.png (and traces.json.gz) for the rows so far; the table."""
+    from .cli import header
+
     summary = summarize(rows)
     results = {"header": header("benchmarks.bench_oracle", argv), "args": vars(a), "settings": [asdict(s) for s in settings],
                "rows": rows, "summary": summary}
     (out / "results.json").write_text(json.dumps(results, indent=1))
     if traces:
         with gzip.open(out / "traces.json.gz", "wt") as f:
-            json.dump({"k": a.k, "settings": traces}, f)
+            json.dump({"k": a.k, "max_tokens": a.max_tokens, "prompts_per_slot": a.prompts_per_slot, "settings": traces}, f)
     table = markdown(results)
     (out / "tables.md").write_text(table)
     plot(summary, out / "oracle.png")
-    print(table)
-    return 0
+    return table
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -8,7 +8,7 @@ controller, on the same recorded data: offline, in seconds, untouched by the mac
 ``--baseline-rev`` loads a second controller (``specserve/adaptive.py``) from a git revision.
 
     python -m benchmarks.bench_replay --traces benchmarks/results/bench_oracle/traces.json.gz
-    python -m benchmarks.bench_replay --traces T.json.gz --baseline-rev v0.2.0 --steps 400
+    python -m benchmarks.bench_replay --traces T.json.gz --baseline-rev v0.2.0
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def arm_of(name: str) -> tuple[int, bool]:
     return (int(k), mode == "cache-only")
 
 
-def replay(controller, arms: dict, batch: int, steps: int) -> dict:
-    """Drive ``controller`` for ``steps`` choices on the recorded ``arms`` ({arm: [step, ...]}); what it ran and delivered."""
+def replay(controller, arms: dict, batch: int, tokens: int) -> dict:
+    """Drive ``controller`` on the recorded ``arms`` ({arm: [step, ...]}) until they made ``tokens``; what it
+    ran and delivered."""
     cursor = {arm: 0 for arm in arms}
-    ran, tokens, seconds = {}, 0, 0.0
-    for _ in range(steps):
+    ran, made, seconds = {}, 0, 0.0
+    while made < tokens:
         controller.choose(batch, True, True)
         arm = tuple(controller.arm)
         recorded = arms.get(arm)
@@ -54,8 +55,8 @@ def replay(controller, arms: dict, batch: int, steps: int) -> dict:
             controller.observe_coverage(asked, got, batch)
         controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"])
         ran[arm] = ran.get(arm, 0) + 1
-        tokens, seconds = tokens + step["tokens"], seconds + step["seconds"]
-    return {"ran": ran, "tokens_per_s": tokens / seconds if seconds else 0.0}
+        made, seconds = made + step["tokens"], seconds + step["seconds"]
+    return {"ran": ran, "tokens_per_s": made / seconds if seconds else 0.0}
 
 
 def fixed_rates(arms: dict) -> dict:
@@ -72,20 +73,25 @@ def controller_from_rev(rev: str):
     return module.SpeculationController
 
 
-def run(traces: dict, controllers: dict, steps: int) -> list[dict]:
+def run(traces: dict, controllers: dict, loads: int = 3) -> list[dict]:
+    """Per setting and batch size: each controller's rate over ``loads`` loads after one untimed load, as
+    bench_oracle runs it (the load's token count is in the traces); every batch size in turn, one
+    controller per setting, as one server meets them."""
     rows = []
     k = traces["k"]
     for setting, by_batch in traces["settings"].items():
+        ctrls = {name: make(k) for name, make in controllers.items()}
         for batch, recorded in by_batch.items():
-            arms = {arm_of(name): [s for s in rec if s["batch"] == int(batch)] for name, rec in recorded.items()}
+            b = int(batch)
+            arms = {arm_of(name): [s for s in rec if s["batch"] == b] for name, rec in recorded.items() if name != "load_tokens"}
             arms = {a: rec for a, rec in arms.items() if rec}
             rates = fixed_rates(arms)
             best = max(rates, key=rates.get)
-            row = {"setting": setting, "batch": int(batch), "best": best, "best_tokens_per_s": rates[best]}
-            for name, make in controllers.items():
-                ctrl = make(k)
-                replay(ctrl, arms, int(batch), steps)  # its warm-up, as the timed runs had one
-                got = replay(ctrl, arms, int(batch), steps)
+            load = recorded.get("load_tokens") or traces.get("max_tokens", 48) * max(4, traces.get("prompts_per_slot", 3) * b)
+            row = {"setting": setting, "batch": b, "best": best, "best_tokens_per_s": rates[best]}
+            for name, ctrl in ctrls.items():
+                replay(ctrl, arms, b, load)  # the untimed load
+                got = replay(ctrl, arms, b, loads * load)
                 row[name] = {"over_best": got["tokens_per_s"] / rates[best], "ran": got["ran"]}
             rows.append(row)
     return rows
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
 
     p = parser("benchmarks.bench_replay", __doc__)
     p.add_argument("--traces", required=True, help="traces.json(.gz) written by bench_oracle --traces")
-    p.add_argument("--steps", type=int, default=300, help="choices per replay (after as many of warm-up)")
+    p.add_argument("--loads", type=int, default=3, help="timed loads per batch size (after one untimed), as bench_oracle's rounds")
     p.add_argument("--baseline-rev", default=None, help="also replay the controller of this git revision")
     p.add_argument("--out", default=None, help="write the table to this markdown file too")
     a = p.parse_args(argv)
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
     if a.baseline_rev:
         old = controller_from_rev(a.baseline_rev)
         controllers[a.baseline_rev] = lambda k: old(k)
-    rows = run(load_traces(a.traces), controllers, a.steps)
+    rows = run(load_traces(a.traces), controllers, a.loads)
     table = header("benchmarks.bench_replay", argv) + "\n\n" + markdown(rows, list(controllers))
     print(table)
     if a.out:
