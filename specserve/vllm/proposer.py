@@ -159,8 +159,8 @@ class RemoteDraftProposer:
         """A step that verifies no drafts runs as vLLM runs a target without speculation.
 
         With a speculative config, vLLM's runner builds speculative metadata and samples through its
-        rejection sampler on every step, drafts or none: on the demo pair at batch 8 that was ~6% of a
-        k = 0 step in a profile (the plain sampler takes 0.5%). Without speculative metadata
+        rejection sampler on every step, drafts or none, which costs a k = 0 step several times what the
+        plain sampler does. Without speculative metadata
         (``seam.plain_steps``) vLLM samples with its plain sampler, whose one token per row the
         bookkeeping reads as it reads a rejection sampler's. Left as is:
         a hybrid target (its linear-attention state is rolled back per draft position, also at zero

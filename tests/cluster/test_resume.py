@@ -284,8 +284,14 @@ def target_pids() -> list[int]:
 
 
 def victim() -> int:
-    """The pid of one target replica (each holds streams: the router balances them)."""
-    return target_pids()[0]
+    """The pid of the live target replica running the most requests, as it last announced (the router
+    balances streams, but a replica just replaced may have been passed over meanwhile)."""
+    from ray import serve
+
+    running = {name: t.get("num_running") or 0
+               for name, t in serve.get_deployment_handle("Registry", app_name=APP).snapshot.remote().result()["target"].items()}
+    live = [(running.get(f"target-{handle._actor_id.hex()[:12]}", 0), pid) for handle, pid, _ in serve_actors(APP, "Target") if alive(pid)]
+    return max(live)[1]
 
 
 def test_sigkill_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
