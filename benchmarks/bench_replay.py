@@ -39,7 +39,7 @@ def replay(controller, arms: dict, batch: int, tokens: int) -> dict:
     """Drive ``controller`` on the recorded ``arms`` ({arm: [step, ...]}) until they made ``tokens``; what it
     ran and delivered."""
     cursor = {arm: 0 for arm in arms}
-    ran, made, seconds = {}, 0, 0.0
+    ran, made, seconds, sequence = {}, 0, 0.0, []
     while made < tokens:
         controller.choose(batch, True, True)
         arm = tuple(controller.arm)
@@ -55,8 +55,21 @@ def replay(controller, arms: dict, batch: int, tokens: int) -> dict:
             controller.observe_coverage(asked, got, batch)
         controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"])
         ran[arm] = ran.get(arm, 0) + 1
+        sequence.append(arm)
         made, seconds = made + step["tokens"], seconds + step["seconds"]
-    return {"ran": ran, "tokens_per_s": made / seconds if seconds else 0.0}
+    return {"ran": ran, "tokens_per_s": made / seconds if seconds else 0.0, "sequence": sequence}
+
+
+def decided_after(sequence: list, run: int = 8) -> int | None:
+    """Cycles before the first run of ``run`` cycles of the arm run most: how long a batch size the
+    controller meets takes to decide (None: it never settled on it)."""
+    top = max(set(sequence), key=sequence.count)
+    streak = 0
+    for i, arm in enumerate(sequence):
+        streak = streak + 1 if arm == top else 0
+        if streak == run:
+            return i + 1 - run
+    return None
 
 
 def fixed_rates(arms: dict) -> dict:
@@ -90,9 +103,10 @@ def run(traces: dict, controllers: dict, loads: int = 3) -> list[dict]:
             load = recorded.get("load_tokens") or traces.get("max_tokens", 48) * max(4, traces.get("prompts_per_slot", 3) * b)
             row = {"setting": setting, "batch": b, "best": best, "best_tokens_per_s": rates[best]}
             for name, ctrl in ctrls.items():
-                replay(ctrl, arms, b, load)  # the untimed load
+                first = replay(ctrl, arms, b, load)  # the untimed load
                 got = replay(ctrl, arms, b, loads * load)
-                row[name] = {"over_best": got["tokens_per_s"] / rates[best], "ran": got["ran"]}
+                row[name] = {"over_best": got["tokens_per_s"] / rates[best], "ran": got["ran"],
+                             "decided_after": decided_after(first["sequence"] + got["sequence"])}
             rows.append(row)
     return rows
 
@@ -101,18 +115,23 @@ def markdown(rows: list[dict], names: list[str]) -> str:
     def arm(a) -> str:
         return "target-only" if not a[0] else f"k={a[0]}{'c' if a[1] else ''}"
 
-    lines = ["| setting | batch | best fixed arm | " + " | ".join(f"{n} / best | {n}: most run" for n in names) + " |",
-             "|---|---:|---|" + "---:|---|" * len(names)]
+    lines = ["| setting | batch | best fixed arm | " + " | ".join(f"{n} / best | {n}: most run | {n}: decided after (cycles)"
+                                                                for n in names) + " |",
+             "|---|---:|---|" + "---:|---|---:|" * len(names)]
     for r in rows:
         cells = []
         for n in names:
             ran = r[n]["ran"]
             top = max(ran, key=ran.get)
-            cells += [f"{r[n]['over_best']:.3f}", f"{arm(top)} ({ran[top] / sum(ran.values()):.0%})"]
+            decided = r[n]["decided_after"]
+            cells += [f"{r[n]['over_best']:.3f}", f"{arm(top)} ({ran[top] / sum(ran.values()):.0%})", "-" if decided is None else str(decided)]
         lines.append(f"| {r['setting']} | {r['batch']} | {arm(r['best'])} | " + " | ".join(cells) + " |")
     for n in names:
         ratios = [r[n]["over_best"] for r in rows]
-        lines.append(f"\n{n}: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} of the best fixed arm")
+        decided = [r[n]["decided_after"] for r in rows if r[n]["decided_after"] is not None]
+        lines.append(f"\n{n}: min {min(ratios):.3f}, median {statistics.median(ratios):.3f} of the best fixed arm; a batch size "
+                     f"decided after a median of {statistics.median(decided) if decided else '-'} cycles (most {max(decided, default='-')}, "
+                     f"{len(rows) - len(decided)} never settled)")
     return "\n".join(lines) + "\n"
 
 

@@ -40,10 +40,12 @@ def _cpu_model() -> str:
 
 
 def machine() -> str:
-    """The machine in a few words: OS, cores this process may use, CPU model, memory, and the GPU when
-    torch (already imported by the benchmark) sees one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    parts = [f"{platform.system()} {platform.machine()}, {cores} CPUs ({_cpu_model()})"]
+    """The machine in a few words: OS, its cores (and how many this process may use, where the harness
+    pinned it to fewer), CPU model, memory, and the GPU when torch (already imported by the benchmark) sees one."""
+    total = os.cpu_count() or 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else total
+    pinned = f", this process on {usable}" if usable < total else ""
+    parts = [f"{platform.system()} {platform.machine()}, {total} CPUs ({_cpu_model()}{pinned})"]
     try:
         parts.append(f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB")
     except (ValueError, OSError, AttributeError):
