@@ -199,16 +199,18 @@ def private_ports() -> dict:
     return {"dashboard_port": free_port(), "dashboard_agent_listen_port": None}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ports a test hands to a server come from below the kernel's ephemeral range (32768+) and above
+# Ray's worker ports (10002-19999): a port that was free when chosen cannot then be taken by a
+# process's ``bind(0)`` (Ray's metrics agent, a worker's socket) before the server binds it.
+TEST_PORTS = range(20000, 32000)
 
 
-def free_ports(n: int) -> int:
+def free_ports(n: int = 1) -> int:
     """The first of ``n`` consecutive free ports (a router's port and Serve's proxy's after it)."""
-    for _ in range(100):
-        first = free_port()
+    import random
+
+    for _ in range(200):
+        first = random.randrange(TEST_PORTS.start, TEST_PORTS.stop - n)
         try:
             for port in range(first, first + n):
                 with socket.socket() as s:
@@ -216,7 +218,11 @@ def free_ports(n: int) -> int:
             return first
         except OSError:
             continue
-    raise RuntimeError(f"no {n} consecutive free ports")
+    raise RuntimeError(f"no {n} consecutive free ports in {TEST_PORTS}")
+
+
+def free_port() -> int:
+    return free_ports(1)
 
 
 def assert_admitted_as_slots_freed(outs, window: int) -> None:

@@ -283,21 +283,27 @@ def target_pids() -> list[int]:
     return [pid for _, pid, _ in serve_actors(APP, "Target") if alive(pid)]
 
 
-def victim() -> int:
-    """The pid of the live target replica running the most requests, as it last announced (the router
+def replicas() -> list[tuple[str, int]]:
+    """(name, pid) of each live target replica. Read before a batch: Ray's state API can take seconds
+    on a loaded machine, long enough for a short batch to end before the disturbance."""
+    return [(f"target-{handle._actor_id.hex()[:12]}", pid) for handle, pid, _ in serve_actors(APP, "Target") if alive(pid)]
+
+
+def victim(live: list[tuple[str, int]]) -> int:
+    """The pid of the replica among ``live`` running the most requests, as it last announced (the router
     balances streams, but a replica just replaced may have been passed over meanwhile)."""
     from ray import serve
 
-    running = {name: t.get("num_running") or 0
-               for name, t in serve.get_deployment_handle("Registry", app_name=APP).snapshot.remote().result()["target"].items()}
-    live = [(running.get(f"target-{handle._actor_id.hex()[:12]}", 0), pid) for handle, pid, _ in serve_actors(APP, "Target") if alive(pid)]
-    return max(live)[1]
+    snapshot = serve.get_deployment_handle("Registry", app_name=APP).snapshot.remote().result()["target"]
+    running = [((snapshot.get(name) or {}).get("num_running") or 0, pid) for name, pid in live if alive(pid)]
+    assert max(running)[0] > 0, f"no replica is running a request: {running}"
+    return max(running)[1]
 
 
 def test_sigkill_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
     base = app[0]
-    before = resumed(base)
-    results = run_batch(base, batch, lambda: os.kill(victim(), signal.SIGKILL))
+    before, live = resumed(base), replicas()
+    results = run_batch(base, batch, lambda: os.kill(victim(live), signal.SIGKILL))
     assert_same(results, undisturbed)
     assert resumed(base)["death"] > before["death"] and sum(r["resumes"] for r in results) > 0
     wait_for(base, 2)  # Serve replaced it
@@ -305,10 +311,10 @@ def test_sigkill_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
 
 def test_sigstop_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
     base = app[0]
-    before, stopped, at = resumed(base), [], {}
+    before, stopped, at, live = resumed(base), [], {}, replicas()
 
     def stop():
-        pid = victim()
+        pid = victim(live)
         os.kill(pid, signal.SIGSTOP)
         stopped.append(pid)
         at["stopped"] = time.monotonic()
@@ -322,7 +328,8 @@ def test_sigstop_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
             except ProcessLookupError:  # Serve's health check replaced it meanwhile
                 pass
     assert_same(results, undisturbed)
-    assert resumed(base)["stall"] > before["stall"]
+    after = resumed(base)
+    assert after["stall"] > before["stall"], (before, after)
     print(f"\nSIGSTOP: batch done {time.monotonic() - at['stopped']:.1f}s after the stop (stall_timeout_s {STALL_S:g})")
     wait_for(base, 2)
 
@@ -350,10 +357,10 @@ def test_the_only_replica_killed_and_restarted(app, batch, undisturbed):
     """One replica: its requests wait for Serve's restart and resume there; a new request meanwhile gets
     the fast 503, unless it asks to wait (``wait_for_target``)."""
     base = app[0]
-    before, answers = resumed(base), {}
+    before, answers, live = resumed(base), {}, replicas()
 
     def kill_then_ask():
-        os.kill(victim(), signal.SIGKILL)
+        os.kill(victim(live), signal.SIGKILL)
         time.sleep(0.5)
         start = time.perf_counter()
         r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x = ", "max_tokens": 4}, timeout=60)

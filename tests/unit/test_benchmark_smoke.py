@@ -94,7 +94,9 @@ def test_the_kept_reference_runs_are_few_and_say_when_where_and_how():
     files = [f for f in RESULTS.rglob("*") if f.is_file()]
     assert 0 < len(files) <= 25, sorted(str(f.relative_to(RESULTS)) for f in files)
     tables = [f for f in files if f.suffix == ".md"]
-    assert {f.parent.name for f in tables} == {"bench_vllm", "bench_systems", "bench_serve", "bench_gpu", "bench_http"}
+    folders = {f.name for f in RESULTS.iterdir() if f.is_dir()}
+    assert {f.parent.name for f in tables} == folders, "each reference run's folder holds its tables"
+    assert all((RESULTS.parent / f"{name}.py").is_file() for name in folders), "each folder is named by its benchmark"
     for f in tables:
         lines = [line for line in f.read_text().splitlines() if line and not line.startswith("# ")]
         assert HEADER.match(lines[0]) or re.match(r"^20\d\d-\d\d-\d\d; .*`python -m benchmarks\.\w+", lines[0]), (f, lines[0])

@@ -14,35 +14,52 @@ from specserve.adaptive import Arm
 from specserve.plan import predict
 
 TARGET, DRAFT, SCALE = "qwen3-8b-h100", "qwen3-0.6b-h100", 8.0  # a ~50 ms target step, a ~6 ms draft step
+ACCEPTANCE = 0.7
 
 
-def sim_run(batch: int, **kw) -> float:
-    """Tokens/s of a timed run (after an untimed one) of the simulated pair in one process."""
+def sim_run(batch: int, **kw) -> dict:
+    """The engine's metrics after a run (and an untimed one before it) of the simulated pair in one process."""
     r = random.Random(0)
-    prompts = [[r.randrange(1024) for _ in range(32)] for _ in range(2 * batch)]
+    prompts = [[r.randrange(1024) for _ in range(32)] for _ in range(4 * batch)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     options = {"time_scale": SCALE, "vocab_size": 1024}
     with LLM(f"sim:{TARGET}", draft=f"sim:{DRAFT}", target_backend="sim", draft_backend="sim", cpu_threads=1,
              target_backend_options={**options, "profile": TARGET},
-             draft_backend_options={**options, "profile": DRAFT, "acceptance": 0.7}, **kw) as llm:
-        llm.generate(prompts, params, use_tqdm=False, max_in_flight=batch)
-        import time
+             draft_backend_options={**options, "profile": DRAFT, "acceptance": ACCEPTANCE}, **kw) as llm:
+        for _ in range(2):
+            llm.generate(prompts, params, use_tqdm=False, max_in_flight=batch)
+        return llm.metrics()
 
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False, max_in_flight=batch)
-        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+def planned(batch: int) -> dict:
+    # In one process the simulated draft has a device of its own and drafts ahead: the plan's "remote,
+    # drafting ahead" over loopback.
+    (row,) = [r for r in predict(TARGET, DRAFT, "same-host", ACCEPTANCE, [batch], k=3, context=64, time_scale=SCALE)
+              if r["deployment"] == "remote, drafting ahead"]
+    return row
+
+
+def test_the_plans_tokens_per_cycle_are_the_simulated_pairs():
+    """The plan's expected tokens per verify, from the acceptance it was given, are what a fixed k = 3
+    run of the simulated draft with that acceptance commits (counts, not timings)."""
+    from specserve.adaptive import SpeculationController
+
+    m = sim_run(1, num_speculative_tokens=3, adaptive=False)
+    ctrl = SpeculationController(3)
+    ctrl.acceptance = [ACCEPTANCE] * 3
+    measured = 1 + m["num_accepted_tokens"] / m["num_drafts"]
+    assert measured == pytest.approx(ctrl.expected_tokens(3, False, 1), rel=0.05)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_the_plan_predicts_the_simulated_pair_within_ten_percent(batch):
-    # In one process the simulated draft has a device of its own and drafts ahead: the plan's "remote,
-    # drafting ahead" over loopback.
-    (row,) = [r for r in predict(TARGET, DRAFT, "same-host", 0.7, [batch], k=3, context=64, time_scale=SCALE)
-              if r["deployment"] == "remote, drafting ahead"]
-    fixed = sim_run(batch, num_speculative_tokens=3, adaptive=False)
-    assert fixed == pytest.approx(row["rates"][Arm(3, False)], rel=0.10)
-    adaptive = sim_run(batch, num_speculative_tokens=3)
-    assert adaptive == pytest.approx(row["tokens_per_s"], rel=0.10), row["arm"]
+def test_the_controller_settles_on_an_arm_the_plan_rates_near_the_best(batch):
+    """What the controller chose from its measured cycles, the plan (from profiles alone) rates within 10%
+    of its best arm: the two models agree on the simulated pair. (How close the plan's tokens/s come to
+    measured ones is a timing, and bench_plan's to report.)"""
+    row = planned(batch)
+    chosen = sim_run(batch, num_speculative_tokens=3)["speculation"]["arm_by_bucket"][str(batch)]
+    arm = Arm(int(chosen.rstrip("c")), chosen.endswith("c"))
+    assert row["rates"][arm] >= 0.9 * row["tokens_per_s"], (chosen, {str(a): round(v) for a, v in row["rates"].items()})
 
 
 def test_the_command_prints_each_deployment_and_a_recommendation():

@@ -10,13 +10,12 @@ found again.
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 
 from specserve.config import SpecserveConfig
 
-from ..conftest import wait_until
+from ..conftest import free_port, wait_until
 from .conftest import ROLE, random_prompts, start_runner, vllm_greedy
 
 PROMPTS = random_prompts(8, seed=1)
@@ -27,12 +26,6 @@ SPEC = {"method": "custom_class", "model": "specserve.vllm.RemoteDraftProposer",
 # one (the failure counts below would move with the load; the killed draft's closed socket is
 # noticed at once), and fixed k, so that the proposal and block counts follow from the outputs.
 ADDITIONAL = {"specserve": {"min_timeout_s": 10.0, "max_timeout_s": 60.0, "adaptive": False}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
