@@ -7,8 +7,8 @@ recorded step, so a controller can be compared with the best fixed arm, and with
 controller, on the same recorded data: offline, in seconds, untouched by the machine's noise.
 ``--baseline-rev`` loads a second controller (``specserve/adaptive.py``) from a git revision.
 
-    python -m benchmarks.bench_replay --traces benchmarks/results/bench_oracle/traces.json.gz
-    python -m benchmarks.bench_replay --traces T.json.gz --baseline-rev v0.2.0
+    python -m benchmarks.bench_oracle --traces                                   # writes bench_out/oracle/traces.json.gz
+    python -m benchmarks.bench_replay --traces bench_out/oracle/traces.json.gz --baseline-rev HEAD~1
 """
 
 from __future__ import annotations
