@@ -139,7 +139,7 @@ class Resumes:
                 if c.num_resumes:
                     await asyncio.sleep(RESUME_BACKOFF_S)
                 return self._attempt(c, HandleStream(self.target.options(stream=True).stream.remote(rid, tokens, wire, committed)), None)
-            if not (received or c.wait_for_target):
+            if not (received or c.wait_for_target or self.directory.lapsed()):
                 raise unavailable("no target replica is available (it is restarting); retry shortly")
             now = time.monotonic()
             waited = now if waited is None else waited

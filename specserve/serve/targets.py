@@ -27,6 +27,7 @@ AVOID_S = 5.0  # a target whose direct stream was refused is reached through the
 HEARTBEAT_LAG_S = 1.5  # an announcement reaches the router up to an announce and a poll period late (0.5 s each), and then some
 FRESH_S = 1.5  # a snapshot older than this says nothing about a replica's progress (the Registry is slow or restarting)
 SUSPECT_MAX_S = 60.0  # a replica seen to die or stall is back in the choices after this long, whatever its announcements say
+LAPSE_S = 5.0  # a replica dropped from the listing but not seen to die is given this long (from its last listing) to reappear
 
 
 @dataclass
@@ -51,6 +52,7 @@ class TargetDirectory:
         self._warming: asyncio.Task | None = None  # fetching the target's info and tokenizer ahead of the first request
         self._progress: dict[str, Progress] = {}
         self._suspect: dict[str, float] = {}  # replica -> when it was seen dead or stalled
+        self._listed_at: dict[str, float] = {}  # replica -> when a snapshot last listed it
         self._streams_open: dict[str, int] = {}  # direct streams open per target replica (the router's load balance)
         self._avoid: dict[str, float] = {}  # target replica -> until when not to open direct streams to it
         server = self.server
@@ -88,12 +90,15 @@ class TargetDirectory:
             logger.debug("registry poll failed: %s", exc)
             return
         for name, t in self.snapshot["target"].items():
+            self._listed_at[name] = now
             steps = int(t.get("num_steps", 0) or 0)
             seen = self._progress.get(name)
             if seen is None or seen.num_steps != steps:
                 self._progress[name] = Progress(steps, now)
         for name in [n for n, p in self._progress.items() if n not in self.snapshot["target"] and now - p.changed_at > 60]:
             del self._progress[name]
+        for name in [n for n, at in self._listed_at.items() if now - at > 60]:
+            del self._listed_at[name]
         for name in [n for n, since in self._suspect.items() if now - since > SUSPECT_MAX_S]:
             del self._suspect[name]
 
@@ -110,7 +115,7 @@ class TargetDirectory:
         if self.info is not None:
             deadline = time.monotonic() + wait_s
             while not self.alive():
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline and not self.lapsed():
                     raise unavailable("no target replica is available (it is restarting); retry shortly")
                 await asyncio.sleep(0.1)
             return
@@ -154,6 +159,14 @@ class TargetDirectory:
             return True
         last_suspect = max(self._suspect.values(), default=0.0)
         return now - self.last_target_ok < 1.0 and self.last_target_ok > last_suspect  # (just answered, not listed yet)
+
+    def lapsed(self) -> bool:
+        """Is a replica missing from the listing only for a moment? Listed within ``LAPSE_S`` and not
+        seen to die or stall since: its announcements may be late (a loaded machine, a slow Registry)
+        rather than it gone, so a new request waits for it instead of taking a 503 at once."""
+        now = time.monotonic()
+        return any(now - at < LAPSE_S and name not in self.snapshot["target"] and self._suspect.get(name, -1.0) < at
+                   for name, at in self._listed_at.items())
 
     def idle_s(self, name: str) -> float | None:
         """How long this replica's engine had not stepped when the last snapshot was taken (it stopped

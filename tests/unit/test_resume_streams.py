@@ -229,3 +229,43 @@ def test_no_replica_back_within_the_restart_wait(replicas, prompt):
     with pytest.raises(APIError, match=r"no other came up within target_restart_wait_s \(1 s\)"):
         run_choice(replicas, prompt, PARAMS["greedy"], kill, listed_after={"target-a"}, target_restart_wait_s=1.0)
     assert time.monotonic() - start < 30
+
+
+def test_a_new_request_waits_out_a_lapse_in_the_listing_but_not_an_absence(replicas, prompt, undisturbed, monkeypatch):
+    """The only replica drops out of the listing for a second without being seen to die (its
+    announcements were late): a new request waits for it and is served, exactly. Once a replica has
+    been unlisted for longer than ``LAPSE_S``, a new request gets the fast 503."""
+    import specserve.serve.targets as targets
+
+    monkeypatch.setattr(targets, "LAPSE_S", 3.0)
+    directory, resumes, _ = router_side(replicas)
+
+    async def main():
+        replicas.listed = {"target-a"}
+        await directory.refresh(1)
+        replicas.listed = set()
+        await directory.refresh(1)
+        assert not directory.alive() and directory.lapsed()
+
+        async def refresher():
+            while True:
+                await asyncio.sleep(0.1)
+                await directory.refresh(1)
+
+        poll = asyncio.ensure_future(refresher())
+        threading.Timer(1.0, lambda: setattr(replicas, "listed", {"target-a"})).start()
+        try:
+            await directory.ready()
+            out = await collect(ChoiceStream(resumes, f"req-{time.monotonic_ns()}", list(prompt), PARAMS["greedy"], time.monotonic() + 120))
+            replicas.listed = set()
+            await asyncio.sleep(3.5)
+            assert not directory.lapsed()
+            with pytest.raises(APIError, match="no target replica is available"):
+                await directory.ready()
+            with pytest.raises(APIError, match="no target replica is available"):
+                await collect(ChoiceStream(resumes, f"req-{time.monotonic_ns()}", list(prompt), PARAMS["greedy"], time.monotonic() + 120))
+        finally:
+            poll.cancel()
+        return out
+
+    assert asyncio.run(main()) == undisturbed["greedy"]
