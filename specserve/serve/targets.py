@@ -161,11 +161,12 @@ class TargetDirectory:
         return now - self.last_target_ok < 1.0 and self.last_target_ok > last_suspect  # (just answered, not listed yet)
 
     def lapsed(self) -> bool:
-        """Is a replica missing from the listing only for a moment? Listed within ``LAPSE_S`` and not
-        seen to die or stall since: its announcements may be late (a loaded machine, a slow Registry)
-        rather than it gone, so a new request waits for it instead of taking a 503 at once."""
+        """Is a replica missing from the listing only for a moment? Listed within ``LAPSE_S`` and never
+        seen to die or stall (a dead one stays listed until its last announcement expires, so only
+        that says it is gone): its announcements may be late (a loaded machine, a slow Registry), so
+        a new request waits for it instead of taking a 503 at once."""
         now = time.monotonic()
-        return any(now - at < LAPSE_S and name not in self.snapshot["target"] and self._suspect.get(name, -1.0) < at
+        return any(now - at < LAPSE_S and name not in self.snapshot["target"] and name not in self._suspect
                    for name, at in self._listed_at.items())
 
     def idle_s(self, name: str) -> float | None:

@@ -304,9 +304,10 @@ def test_sigkill_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
     base = app[0]
     before, live = resumed(base), replicas()
     results = run_batch(base, batch, lambda: os.kill(victim(live), signal.SIGKILL))
+    after = resumed(base)
+    wait_for(base, 2)  # Serve replaced it (first: a later test must not start while it does)
     assert_same(results, undisturbed)
-    assert resumed(base)["death"] > before["death"] and sum(r["resumes"] for r in results) > 0
-    wait_for(base, 2)  # Serve replaced it
+    assert after["death"] > before["death"] and sum(r["resumes"] for r in results) > 0
 
 
 def test_sigstop_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
@@ -327,11 +328,15 @@ def test_sigstop_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:  # Serve's health check replaced it meanwhile
                 pass
-    assert_same(results, undisturbed)
     after = resumed(base)
-    assert after["stall"] > before["stall"], (before, after)
-    print(f"\nSIGSTOP: batch done {time.monotonic() - at['stopped']:.1f}s after the stop (stall_timeout_s {STALL_S:g})")
-    wait_for(base, 2)
+    wait_for(base, 2)  # (first: a later test must not start while Serve replaces the stopped replica)
+    assert_same(results, undisturbed)
+    # The router's stall bound cuts the stopped replica off; on a loaded machine Serve's health check can
+    # kill it first, and its requests resume as after a death. Either way none fails (the stall bound
+    # itself: tests/unit/test_resume_streams.py).
+    assert after["stall"] + after["death"] > before["stall"] + before["death"], (before, after)
+    print(f"\nSIGSTOP: batch done {time.monotonic() - at['stopped']:.1f}s after the stop (stall_timeout_s {STALL_S:g}); "
+          f"resumed after a stall {after['stall'] - before['stall']:.0f}, after a death {after['death'] - before['death']:.0f}")
 
 
 def test_a_replica_that_raises_inside_a_step(app, batch, undisturbed):
