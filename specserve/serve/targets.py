@@ -32,10 +32,12 @@ LAPSE_S = 5.0  # a replica dropped from the listing but not seen to die is given
 
 @dataclass
 class Progress:
-    """A replica's engine step counter as last announced, and when the router last saw it change."""
+    """A replica's engine step counter as last announced, when the router last saw it change, and when
+    a snapshot last listed the replica."""
 
     num_steps: int
     changed_at: float
+    listed_at: float
 
 
 class TargetDirectory:
@@ -52,7 +54,6 @@ class TargetDirectory:
         self._warming: asyncio.Task | None = None  # fetching the target's info and tokenizer ahead of the first request
         self._progress: dict[str, Progress] = {}
         self._suspect: dict[str, float] = {}  # replica -> when it was seen dead or stalled
-        self._listed_at: dict[str, float] = {}  # replica -> when a snapshot last listed it
         self._streams_open: dict[str, int] = {}  # direct streams open per target replica (the router's load balance)
         self._avoid: dict[str, float] = {}  # target replica -> until when not to open direct streams to it
         server = self.server
@@ -90,15 +91,14 @@ class TargetDirectory:
             logger.debug("registry poll failed: %s", exc)
             return
         for name, t in self.snapshot["target"].items():
-            self._listed_at[name] = now
             steps = int(t.get("num_steps", 0) or 0)
             seen = self._progress.get(name)
             if seen is None or seen.num_steps != steps:
-                self._progress[name] = Progress(steps, now)
+                self._progress[name] = Progress(steps, now, now)
+            else:
+                seen.listed_at = now
         for name in [n for n, p in self._progress.items() if n not in self.snapshot["target"] and now - p.changed_at > 60]:
             del self._progress[name]
-        for name in [n for n, at in self._listed_at.items() if now - at > 60]:
-            del self._listed_at[name]
         for name in [n for n, since in self._suspect.items() if now - since > SUSPECT_MAX_S]:
             del self._suspect[name]
 
@@ -166,8 +166,8 @@ class TargetDirectory:
         that says it is gone): its announcements may be late (a loaded machine, a slow Registry), so
         a new request waits for it instead of taking a 503 at once."""
         now = time.monotonic()
-        return any(now - at < LAPSE_S and name not in self.snapshot["target"] and name not in self._suspect
-                   for name, at in self._listed_at.items())
+        return any(now - p.listed_at < LAPSE_S and name not in self.snapshot["target"] and name not in self._suspect
+                   for name, p in self._progress.items())
 
     def idle_s(self, name: str) -> float | None:
         """How long this replica's engine had not stepped when the last snapshot was taken (it stopped
