@@ -4,8 +4,8 @@ what its cache holds, so one miss cannot make the whole batch wait).
 
 An *arm* is one such choice; (0, False) is target-only. At batch size B an arm delivers B x E tokens
 per cycle of T seconds. E = 1 + sum over j <= k of a_1 ... a_j x c_j, with a_i the per-position
-acceptance and c_j the cache's coverage (P(a cache-only block holds j tokens); 1 when misses are
-drafted). T comes from the cycle model (``cycle_model.py``): a line in the verify width, the mode and
+acceptance and c_j the cache's coverage (P(a cache-only block asked for k holds j tokens), per bucket
+and k; 1 when misses are drafted). T comes from the cycle model (``cycle_model.py``): a line in the verify width, the mode and
 the prompt tokens a cycle prefilled, plus each arm's own mean residual, fitted to measured whole
 cycles (every cost included) and shared across batch sizes. Each step runs the arm with the most
 predicted tokens per second; k = 0 whenever target-only has. The rules around the model:
@@ -15,13 +15,15 @@ predicted tokens per second; k = 0 whenever target-only has. The rules around th
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the switch
   (a cold speculation cache, the engine's shapes), which a steady choice does not.
 - Outliers: a cycle over ``cycle_model.OUTLIER`` x its arm's median counts as that much, so one stall
-  (a garbage collection, a busy host) cannot decide between arms.
-- Exploration: every ``EXPLORE_EVERY`` choices a bucket runs for ``RUN`` cycles the neighbour of its
-  arm (k - 1, k + 1, the other mode, target-only; from target-only the best speculative arm) measured
-  least recently among those that could still win: whose predicted rate plus ``OPTIMISM`` standard
-  errors of the prediction beats the arm's own. An arm measured often is known well and no longer
-  explored; one far behind needs its measurements to fade first. Every ``EXPLORE_MAX`` choices the
-  least recently measured neighbour runs whatever its prediction, so a stale fit cannot hide one.
+  (a garbage collection, a busy host) cannot decide between arms. A cycle whose verify also prefilled
+  prompts is no outlier: its prompt tokens are a term of the line.
+- Exploration: every ``interval`` choices (from ``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` each
+  time an exploration leaves the choice as it was) a bucket runs for ``PROBE`` cycles the arm whose
+  predicted rate plus ``OPTIMISM`` standard errors is best, if that beats its own by the hysteresis.
+  Every ``EXPLORE_MAX`` choices the least recently measured neighbour (k +- 1, the other mode,
+  target-only; k = 1 from target-only) runs whatever its prediction, so a stale fit cannot hide one.
+- Budget: an exploration's predicted cost (the tokens it delivers fewer than the running arm would)
+  is spread over enough choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: the arm changes only for a predicted gain over ``HYSTERESIS``.
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
@@ -55,6 +57,7 @@ SETTLE = 2
 RUN = SETTLE + 3  # cycles of a warm-up arm: SETTLE unmeasured, then measured
 PROBE = SETTLE + 2  # cycles of an exploration
 EXPLORE_MIN, EXPLORE_MAX = 32, 512
+EXPLORE_BUDGET = 0.01  # the share of a bucket's cycles its explorations may cost, by prediction
 OPTIMISM = 2.0
 HYSTERESIS = 0.02
 DECIDE_EVERY = 4  # choices between two looks at the predictions (they move slowly; a look costs ~50 us)
@@ -99,8 +102,8 @@ class SpeculationController:
         self.model = CycleModel()
         self.acceptance = [PRIOR_ACCEPTANCE] * max(max_k, 1)
         self._acceptance_n = [0] * max(max_k, 1)
-        self.coverage: dict[int, list[float]] = {}  # bucket -> P(a cache-only block holds at least j + 1 tokens)
-        self._coverage_n: dict[int, list[int]] = {}
+        self.coverage: dict[tuple[int, int], list[float]] = {}  # (bucket, k asked) -> P(the block holds >= j + 1 tokens)
+        self._coverage_n: dict[tuple[int, int], list[int]] = {}
         self.verify_s: dict[tuple[int, int], float] = {}  # (bucket, tokens per row) -> the step's cost but the wait
         self.link_floor_s: float | None = None  # the round trip without the draft's own work: falls fast, rises slowly
         self.link_s = self.draft_step_s = self.hit_rate = None  # reported only
@@ -112,20 +115,21 @@ class SpeculationController:
         self.trace = deque(maxlen=TRACE_EVENTS) if (os.environ.get("SPECSERVE_TRACE") if trace is None else trace) else None
 
     # -- the model -----------------------------------------------------------------------------
-    def _coverage(self, batch_size: int) -> list[float]:
-        b = bucket_of(batch_size)
-        if b not in self.coverage:
-            near = min(self.coverage, key=lambda c: abs(c - b), default=None)
-            self.coverage[b] = list(self.coverage[near]) if near is not None else [PRIOR_COVERAGE] * max(self.max_k, 1)
-            self._coverage_n[b] = [0] * len(self.coverage[b])
-        return self.coverage[b]
+    def _coverage(self, batch_size: int, k: int) -> list[float]:
+        """Per bucket and k asked: a deeper ask leaves the draft less time for each foreseen branch. A new
+        one starts from the nearest known (the same bucket first)."""
+        key = (bucket_of(batch_size), k)
+        if key not in self.coverage:
+            near = min(self.coverage, key=lambda c: (abs(c[0] - key[0]), abs(c[1] - k)), default=None)
+            old = self.coverage[near] if near is not None else [PRIOR_COVERAGE]
+            self.coverage[key] = [old[min(j, len(old) - 1)] for j in range(k)]
+            self._coverage_n[key] = [0] * k
+        return self.coverage[key]
 
     def expected_tokens(self, k: int, cache_only: bool = False, batch_size: int = 1) -> float:
         """Tokens per sequence a cycle of (k, cache_only) yields (the 1 is the recovered or bonus token)."""
         reach = np.cumprod(self.acceptance[:k])
-        if cache_only:
-            reach = reach * np.array(self._coverage(batch_size)[:k])
-        return 1.0 + float(reach.sum())
+        return 1.0 + float(np.dot(reach, self._coverage(batch_size, k)) if cache_only and k else reach.sum())
 
     def rates(self, batch_size: int, cache: bool, optimism: float = 0.0) -> dict[Arm, float]:
         """Predicted tokens per second of every arm at ``batch_size`` (empty: no cycle measured near it);
@@ -135,10 +139,7 @@ class SpeculationController:
         if predicted is None:
             return {}
         seconds, uncertainty = predicted
-        reach = np.cumprod(self.acceptance[: self.max_k])
-        drafted = 1.0 + np.concatenate(([0.0], np.cumsum(reach)))
-        cached = 1.0 + np.concatenate(([0.0], np.cumsum(reach * np.array(self._coverage(batch_size)[: self.max_k]))))
-        tokens = np.array([cached[a.k] if a.cache_only else drafted[a.k] for a in arms])
+        tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
         rates = batch_size * tokens / seconds * (1.0 + optimism * uncertainty)
         return dict(zip(arms, rates.tolist()))
 
@@ -147,13 +148,6 @@ class SpeculationController:
 
     def arms(self, cache: bool) -> tuple[Arm, ...]:
         return _arms(self.max_k, cache)
-
-    def _best(self, batch_size: int, cache: bool) -> tuple[Arm, float] | tuple[None, None]:
-        rates = self.rates(batch_size, cache)
-        if not rates:
-            return None, None
-        best = max(rates, key=rates.get)
-        return best, rates[best]
 
     # -- choosing ------------------------------------------------------------------------------
     def choose(self, batch_size: int, have_draft: bool = True, cache: bool = False) -> int:
@@ -208,19 +202,29 @@ class SpeculationController:
             if st.choices < st.next_explore:
                 return
         if st.choices >= st.next_forced:  # the least recently measured neighbour, whatever its prediction
-            st.next_forced = st.choices + EXPLORE_MAX
             k, mode = st.current
             near = [Arm(k2, mode) for k2 in (k - 1, k + 1) if 1 <= k2 <= self.max_k] + ([Arm(k, not mode)] if cache else [])
-            probe = min(near + [TARGET_ONLY] if k else [Arm(self.max_k, False)], key=lambda a: st.last_run.get(a, -1))
+            probe = min(near + [TARGET_ONLY] if k else [Arm(1, cache)], key=lambda a: st.last_run.get(a, -1))
+            st.next_forced = st.choices + max(EXPLORE_MAX, self._spacing(rates, probe, mine))
         else:  # the arm with the best optimistic rate, if it could change the choice
             probe = max(optimistic, key=optimistic.get, default=None)
             if probe is not None and optimistic[probe] <= mine * (1 + HYSTERESIS):
                 probe = None
         if probe is not None:
             st.explored, st.queued = probe, [probe] * PROBE
+            st.interval = max(st.interval, self._spacing(rates, probe, mine))
         else:
             st.interval = min(2 * st.interval, EXPLORE_MAX)
             st.next_explore = st.choices + st.interval
+
+    @staticmethod
+    def _spacing(rates: dict, probe: Arm, mine: float | None) -> int:
+        """Choices an exploration of ``probe`` must be spread over so that its predicted cost (the cycles
+        it delivers fewer tokens than the running arm would) stays within ``EXPLORE_BUDGET`` of them."""
+        theirs = rates.get(probe)
+        if not mine or theirs is None or theirs >= mine:
+            return 0
+        return int(PROBE * (1.0 - theirs / mine) / EXPLORE_BUDGET)
 
     def push_due(self, batch_size: int) -> bool:
         """Whether a k = 0 step should hand the drafts its deltas (unawaited), so that speculation,
@@ -246,8 +250,8 @@ class SpeculationController:
         """A cache-only block: ``num_got`` of the ``num_asked`` draft tokens were in the cache."""
         if self.trace is not None:
             self.trace.append(("coverage", num_asked, num_got, batch_size))
-        coverage = self._coverage(batch_size)
-        _count(coverage, self._coverage_n[bucket_of(batch_size)], num_asked, num_got)
+        if num_asked > 0:
+            _count(self._coverage(batch_size, num_asked), self._coverage_n[(bucket_of(batch_size), num_asked)], num_asked, num_got)
 
     def observe_step(self, batch_size: int, tokens_per_row: int, target_s: float, wait_s: float = 0.0,
                      draft_compute_s: float = 0.0, draft_step_s: float = 0.0, num_blocks: int = 0, num_hits: int = 0) -> None:
@@ -309,7 +313,7 @@ class SpeculationController:
                  for a, r in self.rates(1 << b, True).items()}
         out = {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "adaptive": self.adaptive,
                "arm_by_bucket": arms, "acceptance_per_pos": list(self.acceptance),
-               "coverage_per_pos": {str(1 << b): list(c) for b, c in sorted(dict(self.coverage).items())},
+               "coverage_per_pos": {f"{1 << b}/{k}": list(c) for (b, k), c in sorted(dict(self.coverage).items())},
                "cycle_model": fits,  # seconds = c . [1, B, B*k, speculating, drafting misses * k, prefill tokens]
                "predicted_tokens_per_s": rates,  # by bucket and arm (k, 'c' for cache-only)
                "link_ms": (self.link_s or 0.0) * 1e3, "link_floor_ms": (self.link_floor_s or 0.0) * 1e3,

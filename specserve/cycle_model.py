@@ -27,7 +27,7 @@ WINDOW = 32  # measured cycles kept per arm and bucket
 KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
 ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
-OUTLIER = 3.0  # a cycle over this multiple of its arm's window's median counts as that much
+OUTLIER = 3.0  # a cycle that prefilled nothing, over this multiple of such cycles' median in its arm's window, counts as that much
 
 
 def bucket_of(batch_size: int) -> int:
@@ -128,10 +128,11 @@ class CycleModel:
         if len(window) > WINDOW:
             old = window.popleft()
             self._spread(arm, old, old[3], -1.0)
-        if len(window) >= 3:  # one stall (a garbage collection, a busy host) must not decide between arms
-            ordered = sorted(r[3] for r in window)
+        plain = [r for r in window if not r[1][5]]  # (a cycle that also prefilled is explained by its prompt tokens)
+        if len(plain) >= 3:  # one stall (a garbage collection, a busy host) must not decide between arms
+            ordered = sorted(r[3] for r in plain)
             cap = OUTLIER * ordered[len(ordered) // 2]
-            for r in window:
+            for r in plain:
                 if r[3] > cap:
                     self._spread(arm, r, cap - r[3], 1.0, moved=True)
                     r[3] = cap
@@ -179,12 +180,6 @@ class CycleModel:
         fit.solve()
         x = features(batch_size, arm[0], arm[1])
         return self.noise(batch_size) * math.sqrt(max(0.0, float(x @ fit.inv @ x)))
-
-    def cycles(self, batch_size: int, arm: tuple) -> float:
-        """Measured cycles of ``arm`` this batch size's bucket sees (kernel-weighted)."""
-        fit = self._fit(batch_size)
-        a = fit.arms.get(tuple(arm)) if fit is not None else None
-        return 0.0 if a is None else a[2]
 
     def coefficients(self, batch_size: int) -> list[float] | None:
         fit = self._fit(batch_size)

@@ -104,6 +104,7 @@ class EngineCore(RequestQueue):
         self.on_deltas: Callable[[list[StepDelta]], None] | None = None
         self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (is the next step warm?)
         self._last_step_end: float | None = None
+        self._fused_tokens = 0  # prompt tokens whose prefill rides in this step's verify forward
         self.totals = SpecMetrics()
         self.timing = {k: 0.0 for k in TIMING_KEYS}
         self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_only_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
@@ -154,7 +155,8 @@ class EngineCore(RequestQueue):
         admitted = [rid for rid, *_ in batch]
         if first_tokens:  # prefills that ride in this step's verify forward (their first tokens come from it)
             deferred = set(self.target.defer(batch))
-            batch = [b for b in batch if b[0] not in deferred]
+            self._fused_tokens = sum(len(b.prompt_token_ids) for b in batch if b.request_id in deferred)
+            batch = [b for b in batch if b.request_id not in deferred]
         deltas: list[StepDelta] = []
         failed: dict[str, Exception] = {}
         try:
@@ -210,6 +212,7 @@ class EngineCore(RequestQueue):
         if self.pool is not None:
             self.pool.poll()
         admitted = time.perf_counter()
+        self._fused_tokens = 0
         admitted_ids = self._admit(result)
         prefill_s = time.perf_counter() - admitted
         seqs = self.target.seqs
@@ -264,9 +267,10 @@ class EngineCore(RequestQueue):
         end = time.perf_counter()
         # The whole cycle since the last step ended (delivering its outputs included), unless the engine idled.
         busy = self._last_step_end is not None and start - self._last_step_end < max(0.02, end - start)
-        # (less the prompts it admitted: their cost would land on whichever choice they met)
+        # (less the prompts it prefilled apart; those whose prefill rode in the verify are a term of the model)
         self.controller.observe_cycle(batch, sum(len(d.token_ids) for d in deltas),
-                                      end - (self._last_step_end if busy else start) - prefill_s, arm)
+                                      end - (self._last_step_end if busy else start) - prefill_s, arm,
+                                      prefill_tokens=self._fused_tokens)
         self._last_step_end = end
         self._account(record, result, deltas, end - start, self.target.forward_s - forward_before)
         return result

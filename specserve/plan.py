@@ -90,7 +90,8 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
     for b in batch_sizes:
         c = profile_costs(target, draft, link, b, k, context, overhead_s=overhead_s, time_scale=time_scale)
         depth = tree_depth(c, k)
-        ctrl.coverage[round(math.log2(b))] = [hit if j < depth else 0.0 for j in range(k)]
+        for asked in range(1, k + 1):
+            ctrl.coverage[(round(math.log2(b)), asked)] = [hit if j < depth else 0.0 for j in range(asked)]
         for deployment in DEPLOYMENTS:
             rates = {}
             for arm in ctrl.arms(True):

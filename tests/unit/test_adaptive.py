@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from specserve.adaptive import (EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController, replay)
+from specserve.adaptive import (EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
+                                replay)
 from specserve.cycle_model import CycleModel
 
 
@@ -114,6 +115,22 @@ def test_where_speculation_never_pays_it_is_measured_rarely():
     tail = arms[-3 * EXPLORE_MAX:]
     speculative = sum(1 for a in tail if a.k)
     assert 0 < speculative <= 4 * RUN  # still measuring, at a bounded cost
+    assert delivered(tail, pair, batch) > (1 - 2 * EXPLORE_BUDGET) * pair.rate(TARGET_ONLY, batch)
+
+
+def test_an_exploration_is_spaced_by_its_predicted_cost():
+    """From target-only, the forced exploration is the cheapest speculative neighbour (k = 1), and one
+    predicted to lose much waits longer than one predicted to lose little."""
+    pair, batch = PAIRS["a compute-bound batch: target-only"]
+    ctrl = SpeculationController(max_k=4)
+    arms = run(ctrl, batch, pair, 3 * EXPLORE_MAX)
+    explored = {a for a in arms[-2 * EXPLORE_MAX:] if a.k}
+    assert explored and all(a.k == 1 for a in explored), explored
+    rates = ctrl.rates(batch, True)
+    mine = rates[TARGET_ONLY]
+    speculative = sorted((a for a in rates if a.k), key=rates.get)
+    dear, cheap = speculative[0], speculative[-1]
+    assert 0 < ctrl._spacing(rates, cheap, mine) < ctrl._spacing(rates, dear, mine) <= 4 / EXPLORE_BUDGET
 
 
 def test_warm_up_runs_target_only_and_both_modes_then_decides():
@@ -158,6 +175,19 @@ def test_without_a_draft_ahead_cache_only_arms_become_drafting_ones():
     ctrl = SpeculationController(max_k=4)
     arms = run(ctrl, 8, PAIRS["misses make the batch wait: cache-only pays"][0], 300, cache=False)
     assert not any(a.cache_only for a in arms)
+
+
+def test_coverage_is_measured_per_k_asked():
+    """A deeper ask leaves the draft less time per foreseen branch: its blocks' coverage is its own, so a
+    cache that fills 3-token blocks but rarely 4-token ones rates k = 4 cache-only below k = 3."""
+    ctrl = SpeculationController(max_k=4)
+    for i in range(200):
+        ctrl.observe_coverage(3, 3, 8)
+        ctrl.observe_coverage(4, 4 if i % 4 == 0 else 1, 8)
+        ctrl.observe_acceptance(4, 4)
+    assert ctrl.expected_tokens(3, True, 8) == pytest.approx(4.0, abs=0.02)
+    assert ctrl.expected_tokens(4, True, 8) < 3.0 < ctrl.expected_tokens(4, False, 8)
+    assert ctrl.expected_tokens(2, True, 8) == pytest.approx(3.0, abs=0.02)  # a k never asked borrows its neighbour's
 
 
 def test_fixed_k_when_not_adaptive_and_nothing_without_a_draft():
