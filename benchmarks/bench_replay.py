@@ -77,13 +77,21 @@ def fixed_rates(arms: dict) -> dict:
 
 
 def controller_from_rev(rev: str):
-    """The SpeculationController class of ``specserve/adaptive.py`` at a git revision (a pure-Python module)."""
-    source = subprocess.run(["git", "show", f"{rev}:specserve/adaptive.py"], capture_output=True, text=True, check=True).stdout
-    module = types.ModuleType(f"adaptive_{rev}")
-    module.__dict__["__name__"] = module.__name__
-    sys.modules[module.__name__] = module  # (dataclasses look the module up)
-    exec(compile(source, f"{rev}:specserve/adaptive.py", "exec"), module.__dict__)
-    return module.SpeculationController
+    """The SpeculationController class of ``specserve/adaptive.py`` at a git revision, with the pure-Python
+    modules of the package it imports (``cycle_model.py``) at that revision too."""
+    package = types.ModuleType(f"specserve_{rev}".replace("~", "_").replace("^", "_"))
+    package.__path__ = []
+    sys.modules[package.__name__] = package
+    for name in ("cycle_model", "adaptive"):  # (in import order)
+        shown = subprocess.run(["git", "show", f"{rev}:specserve/{name}.py"], capture_output=True, text=True)
+        if shown.returncode:
+            continue  # (older revisions kept the whole controller in adaptive.py)
+        module = types.ModuleType(f"{package.__name__}.{name}")
+        module.__package__ = package.__name__
+        sys.modules[module.__name__] = module  # (dataclasses and relative imports look the module up)
+        exec(compile(shown.stdout, f"{rev}:specserve/{name}.py", "exec"), module.__dict__)
+        setattr(package, name, module)
+    return package.adaptive.SpeculationController
 
 
 def run(traces: dict, controllers: dict, loads: int = 3) -> list[dict]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from .adaptive import SpeculationController
-from .step_plan import StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
+from .step_plan import StepRecord, hold_first_blocks, observe, plan_draft_lengths, warm_rows
 from .messages import OpenSeq
 from .outputs import CannotResume, Committed, SpecMetrics, StepDelta
 from .pool import DraftPool
@@ -261,7 +261,7 @@ class EngineCore(RequestQueue):
         record = StepRecord(batch, 1 + max((len(b.draft_token_ids) for b in blocks.values()), default=0), cost, outcome,
                             sum(1 for b in blocks.values() if b.draft_token_ids),
                             sum(1 for b in blocks.values() if b.cache_hit and b.draft_token_ids), wants, cache_only,
-                            is_warm(self._last_asked, wants))
+                            warm_rows(self._last_asked, wants))
         self._last_asked = wants
         observe(self.controller, record)
         end = time.perf_counter()

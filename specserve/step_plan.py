@@ -22,21 +22,22 @@ class StepRecord:
     num_hits: int = 0  # of which answered from the speculation cache
     asked: dict = field(default_factory=dict)  # request id -> k asked of the drafts for these blocks
     cache_only: bool = False  # the drafts were told to answer from their speculation caches only
-    warm: bool = False  # the ask before asked the same sequences for at least as many tokens
+    warm: frozenset = frozenset()  # the sequences the ask before asked for at least as many tokens
 
 
-def is_warm(previous: dict | None, asked: dict) -> bool:
-    """Whether every sequence asked now was asked last time for at least as many tokens (the drafts
-    then drafted ahead for it): only such cache-only steps say what the cache covers."""
-    return bool(previous) and all(previous.get(rid, 0) >= k for rid, k in asked.items())
+def warm_rows(previous: dict | None, asked: dict) -> frozenset:
+    """The sequences asked now that were asked last time for at least as many tokens (the drafts then
+    drafted ahead for them): only their cache-only blocks say what the cache covers. Per sequence, not
+    per step: under sustained load nearly every step also asks a sequence new to speculation."""
+    return frozenset(rid for rid, k in asked.items() if previous and previous.get(rid, 0) >= k)
 
 
 def observe(controller: SpeculationController, record: StepRecord) -> None:
     o = record.outcome
-    if o is not None and record.cache_only and record.warm:
+    if o is not None and record.cache_only:
         for rid, k in record.asked.items():
             block = o.blocks.get(rid)
-            if block is not None:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
+            if block is not None and rid in record.warm:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
                 controller.observe_coverage(k, len(block.draft_token_ids), record.batch_size)
     if o is None:
         controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s)

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..adaptive import SpeculationController
-from ..step_plan import StepRecord, hold_first_blocks, is_warm, observe, plan_draft_lengths
+from ..step_plan import StepRecord, hold_first_blocks, observe, plan_draft_lengths, warm_rows
 from ..config import resolve_model
 from ..devices import placement
 from ..messages import DraftProcessing, Hello, OpenSeq, VerifyResult
@@ -89,7 +89,7 @@ class RemoteDraftProposer:
         self._last_end: float | None = None  # when the previous step's propose returned
         self._between: float | None = None  # vLLM's own time between that and this step's runner (None: an idle gap)
         self._between_ema: float | None = None
-        self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm) of the last ask
+        self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm rows) of the last ask
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         self._prev_arm = None  # the arm of the last step's ask
         head = opts.get("head") or os.environ.get(HEAD_ENV)
@@ -436,7 +436,7 @@ class RemoteDraftProposer:
                 self.counters["num_blocks"] += 1
         if self.uniform:
             self._uniform(drafts, live, token_ids_cpu)
-        self._asked = (outcome, handed, wants, cache_only, is_warm(previous, wants))
+        self._asked = (outcome, handed, wants, cache_only, warm_rows(previous, wants))
         self.counters["num_proposals"] += 1
         self.counters["num_cache_only_steps"] += cache_only
         t = self.timing
@@ -461,7 +461,7 @@ class RemoteDraftProposer:
         """The controller learns from the step vLLM just verified (the blocks of ``last_ask``): its cost is
         vLLM's whole step (scheduling and output handling included) and this proposer's own time, all but
         the wait for the drafts. A step that also prefilled, or followed an idle gap, is left out."""
-        outcome, handed, asked, cache_only, warm = last_ask if last_ask is not None else (None, {}, {}, False, False)
+        outcome, handed, asked, cache_only, warm = last_ask if last_ask is not None else (None, {}, {}, False, frozenset())
         hits = sum(1 for b in handed.values() if b.cache_hit)
         self.counters["num_cache_hits"] += hits
         if verify_s is None or prefill or not batch_size:

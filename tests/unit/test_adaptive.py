@@ -235,3 +235,20 @@ def test_the_cycle_model_recovers_a_line_and_lends_it_to_neighbouring_batch_size
         assert model.seconds(b, arm) == pytest.approx(seconds(b, *arm, 0), rel=0.05)
     assert model.uncertainty(8, (3, False)) < 0.02 < model.uncertainty(256, (3, False))
     assert model.seconds(1024, (1, False)) is None  # nothing measured within two octaves
+
+
+def test_coverage_is_learned_from_the_warm_rows_of_a_step_that_also_asks_a_new_sequence():
+    """Under sustained load nearly every step asks some sequence for the first time; the blocks of the
+    sequences asked before still say what the cache covers, the new sequence's do not."""
+    from types import SimpleNamespace
+
+    from specserve.step_plan import StepRecord, observe, warm_rows
+
+    ctrl = SpeculationController(max_k=3)
+    previous, asked = {"a": 3, "b": 3}, {"a": 3, "c": 3}
+    blocks = {"a": SimpleNamespace(draft_token_ids=[1, 2, 3]), "c": SimpleNamespace(draft_token_ids=[])}
+    outcome = SimpleNamespace(blocks=blocks, wait_s=0.0, compute_s=0.0, queue_s=0.0, draft_step_s=0.0)
+    for _ in range(50):
+        observe(ctrl, StepRecord(2, 4, 0.01, outcome, 1, 1, asked, cache_only=True, warm=warm_rows(previous, asked)))
+    assert warm_rows(previous, asked) == {"a"} and warm_rows(None, asked) == frozenset()
+    assert ctrl.expected_tokens(3, True, 2) == pytest.approx(ctrl.expected_tokens(3, False, 2), rel=0.03)  # a's full blocks only
