@@ -5,9 +5,9 @@ what its cache holds, so one miss cannot make the whole batch wait).
 An *arm* is one such choice; (0, False) is target-only. At batch size B an arm delivers B x E tokens
 per cycle of T seconds. E = 1 + sum over j <= k of a_1 ... a_j x c_j, with a_i the per-position
 acceptance and c_j the cache's coverage (P(a cache-only block asked for k holds j tokens), per bucket
-and k; 1 when misses are drafted). T comes from the cycle model (``cycle_model.py``): a line in the verify width, the mode and
-the prompt tokens a cycle prefilled, plus each arm's own mean residual, fitted to measured whole
-cycles (every cost included) and shared across batch sizes. Each step runs the arm with the most
+and k; 1 when misses are drafted). T comes from the cycle model (``cycle_model.py``): a line in the
+verify width, the mode and the prompt tokens a cycle prefilled, plus each arm's own mean residual,
+fitted to measured whole cycles (every cost included) and shared across batch sizes. Each step runs the arm with the most
 predicted tokens per second; k = 0 whenever target-only has. The rules around the model:
 
 - Warm-up: a bucket with no measured cycle near it runs target-only, k = max (both modes) and

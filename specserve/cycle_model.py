@@ -27,7 +27,7 @@ WINDOW = 32  # measured cycles kept per arm and bucket
 KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
 ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
-OUTLIER = 3.0  # a cycle that prefilled nothing, over this multiple of such cycles' median in its arm's window, counts as that much
+OUTLIER = 3.0  # a cycle that prefilled nothing, over this multiple of such cycles' median in its arm window: that much
 
 
 def bucket_of(batch_size: int) -> int:

@@ -102,7 +102,7 @@ class EngineCore(RequestQueue):
         # Where first tokens taken from the prefill go at once (the loop's delivery), so they wait for no
         # verify; None: with the step's other deltas.
         self.on_deltas: Callable[[list[StepDelta]], None] | None = None
-        self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (is the next step warm?)
+        self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (which rows of the next are warm)
         self._last_step_end: float | None = None
         self._fused_tokens = 0  # prompt tokens whose prefill rides in this step's verify forward
         self.totals = SpecMetrics()
