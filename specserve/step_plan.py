@@ -37,7 +37,8 @@ def observe(controller: SpeculationController, record: StepRecord) -> None:
     if o is not None and record.cache_only:
         for rid, k in record.asked.items():
             block = o.blocks.get(rid)
-            if block is not None and rid in record.warm:  # (none: that draft failed or lost the sequence, which says nothing of its cache)
+            # (no block: that draft failed or lost the sequence, which says nothing of its cache)
+            if block is not None and rid in record.warm:
                 controller.observe_coverage(k, len(block.draft_token_ids), record.batch_size)
     if o is None:
         controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s)
