@@ -7,8 +7,8 @@ per cycle of T seconds. E = 1 + sum over j <= k of a_1 ... a_j x c_j, with a_i t
 acceptance and c_j the cache's coverage (P(a cache-only block asked for k holds j tokens), per bucket
 and k; 1 when misses are drafted). T comes from the cycle model (``cycle_model.py``): a line in the
 verify width, the mode and the prompt tokens a cycle prefilled, plus each arm's own mean residual,
-fitted to measured whole cycles (every cost included) and shared across batch sizes. Each step runs the arm with the most
-predicted tokens per second; k = 0 whenever target-only has. The rules around the model:
+fitted to measured whole cycles (every cost included) and shared across batch sizes. Each step runs
+the arm with the most predicted tokens per second; k = 0 whenever target-only has. The rules around the model:
 
 - Warm-up: a bucket with no measured cycle near it runs target-only, k = max (both modes) and
   k = max / 2 for ``RUN`` cycles each, so the line has its slope and intercept before it decides.
@@ -201,18 +201,21 @@ class SpeculationController:
             st.explored, st.next_explore = None, st.choices + st.interval
             if st.choices < st.next_explore:
                 return
-        if st.choices >= st.next_forced:  # the least recently measured neighbour, whatever its prediction
+        forced = st.choices >= st.next_forced
+        if forced:  # the least recently measured neighbour, whatever its prediction
             k, mode = st.current
             near = [Arm(k2, mode) for k2 in (k - 1, k + 1) if 1 <= k2 <= self.max_k] + ([Arm(k, not mode)] if cache else [])
             probe = min(near + [TARGET_ONLY] if k else [Arm(1, cache)], key=lambda a: st.last_run.get(a, -1))
-            st.next_forced = st.choices + max(EXPLORE_MAX, self._spacing(rates, probe, mine))
         else:  # the arm with the best optimistic rate, if it could change the choice
             probe = max(optimistic, key=optimistic.get, default=None)
             if probe is not None and optimistic[probe] <= mine * (1 + HYSTERESIS):
                 probe = None
         if probe is not None:
+            spacing = self._spacing(rates, probe, mine)
+            if forced:
+                st.next_forced = st.choices + max(EXPLORE_MAX, spacing)
             st.explored, st.queued = probe, [probe] * PROBE
-            st.interval = max(st.interval, self._spacing(rates, probe, mine))
+            st.interval = max(st.interval, spacing)
         else:
             st.interval = min(2 * st.interval, EXPLORE_MAX)
             st.next_explore = st.choices + st.interval
