@@ -24,7 +24,8 @@ the arm with the most predicted tokens per second; k = 0 whenever target-only ha
   target-only; k = 1 from target-only) runs whatever its prediction, so a stale fit cannot hide one.
 - Budget: an exploration's predicted cost (the tokens it delivers fewer than the running arm would)
   is spread over enough choices to stay within ``EXPLORE_BUDGET`` of them.
-- Hysteresis: the arm changes only for a predicted gain over ``HYSTERESIS``.
+- Hysteresis: the arm changes only for a predicted gain over ``HYSTERESIS``; from target-only, also
+  over ``SWITCH_Z`` standard errors of the difference between the two predictions.
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
@@ -60,6 +61,7 @@ EXPLORE_MIN, EXPLORE_MAX = 32, 512
 EXPLORE_BUDGET = 0.01  # the share of a bucket's cycles its explorations may cost, by prediction
 OPTIMISM = 2.0
 HYSTERESIS = 0.02
+SWITCH_Z = 1.0
 DECIDE_EVERY = 4  # choices between two looks at the predictions (they move slowly; a look costs ~50 us)
 PUSH_EVERY = 4
 OBSERVATIONS = 500  # a position's acceptance and coverage: the mean of the first this many draws, an EMA after
@@ -134,14 +136,17 @@ class SpeculationController:
     def rates(self, batch_size: int, cache: bool, optimism: float = 0.0) -> dict[Arm, float]:
         """Predicted tokens per second of every arm at ``batch_size`` (empty: no cycle measured near it);
         ``optimism``: plus that many standard errors of each prediction."""
+        return {a: r * (1.0 + optimism * u) for a, (r, u) in self._predictions(batch_size, cache).items()}
+
+    def _predictions(self, batch_size: int, cache: bool) -> dict[Arm, tuple[float, float]]:
+        """Per arm: the predicted tokens per second and its relative standard error (the cycle fit's)."""
         arms = self.arms(cache)
         predicted = self.model.predict_all(batch_size, arms)
         if predicted is None:
             return {}
         seconds, uncertainty = predicted
         tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
-        rates = batch_size * tokens / seconds * (1.0 + optimism * uncertainty)
-        return dict(zip(arms, rates.tolist()))
+        return dict(zip(arms, zip((batch_size * tokens / seconds).tolist(), uncertainty.tolist())))
 
     def rate(self, batch_size: int, arm: Arm) -> float | None:
         return self.rates(batch_size, True).get(Arm(*arm))
@@ -184,13 +189,14 @@ class SpeculationController:
         due = st.choices >= st.next_explore
         if not (ended or due or st.current is None or st.choices % DECIDE_EVERY == 0):
             return
-        rates = self.rates(batch_size, True)
-        if not rates:  # the warm-up's cycles were not measurable (idle gaps): keep the arm until some are
+        predicted = self._predictions(batch_size, True)
+        if not predicted:  # the warm-up's cycles were not measurable (idle gaps): keep the arm until some are
             return
+        rates = {a: r for a, (r, _) in predicted.items()}
         allowed = {a: r for a, r in rates.items() if cache or not a.cache_only}
         best = max(allowed, key=allowed.get)
         mine = rates.get(st.current)
-        if best != st.current and (mine is None or allowed[best] > mine * (1 + HYSTERESIS)):
+        if best != st.current and (mine is None or allowed[best] > mine * (1 + self._hysteresis(predicted, best, st.current))):
             st.current, mine, st.interval = best, allowed[best], EXPLORE_MIN
         if not (ended or due):
             return
@@ -219,6 +225,16 @@ class SpeculationController:
         else:
             st.interval = min(2 * st.interval, EXPLORE_MAX)
             st.next_explore = st.choices + st.interval
+
+    @staticmethod
+    def _hysteresis(predicted: dict, best: Arm, current: Arm) -> float:
+        """The relative gain a switch from ``current`` to ``best`` needs: ``HYSTERESIS``, and from target-only
+        at least ``SWITCH_Z`` standard errors of the two predictions' difference. Target-only is the arm
+        whose cost cannot surprise (no draft, no link, no prefill on the draft's side): speculation
+        leaves it only for a gain the fit can tell from its noise."""
+        if current != TARGET_ONLY or current not in predicted:
+            return HYSTERESIS
+        return max(HYSTERESIS, SWITCH_Z * float(np.hypot(predicted[best][1], predicted[current][1])))
 
     @staticmethod
     def _spacing(rates: dict, probe: Arm, mine: float | None) -> int:

@@ -252,3 +252,15 @@ def test_coverage_is_learned_from_the_warm_rows_of_a_step_that_also_asks_a_new_s
         observe(ctrl, StepRecord(2, 4, 0.01, outcome, 1, 1, asked, cache_only=True, warm=warm_rows(previous, asked)))
     assert warm_rows(previous, asked) == {"a"} and warm_rows(None, asked) == frozenset()
     assert ctrl.expected_tokens(3, True, 2) == pytest.approx(ctrl.expected_tokens(3, False, 2), rel=0.03)  # a's full blocks only
+
+
+def test_target_only_is_left_only_for_a_gain_the_fit_can_tell_from_its_noise():
+    """Where a speculative arm delivers what target-only does, within the noise of single cycles, the
+    controller keeps target-only instead of following each wobble of the fit into speculation."""
+    pair = Pair(0.5, costs(0.02, 0.0, 0.0, 0.0), coverage=1.0)
+    base = pair.seconds
+    pair.seconds = lambda arm, b: base(arm, b) * (pair.expected(arm) if arm.k == 1 else 1.0 if not arm.k else 3.0)
+    ctrl = SpeculationController(max_k=4)
+    arms = run(ctrl, 8, pair, 4 * EXPLORE_MAX, noise=0.2)
+    tail = arms[-3 * EXPLORE_MAX:]
+    assert sum(1 for a in tail if a.k) <= 8 * RUN, {a: tail.count(a) for a in set(tail)}
