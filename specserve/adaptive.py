@@ -6,17 +6,21 @@ An *arm* is one such choice; (0, False) is target-only. At batch size B an arm d
 per cycle of T seconds. E = 1 + sum over j <= k of a_1 ... a_j x c_j, with a_i the per-position
 acceptance and c_j the cache's coverage (P(a cache-only block asked for k holds j tokens), per bucket
 and k; 1 when misses are drafted). T comes from the cycle model (``cycle_model.py``): a line in the
-verify width, the mode and the prompt tokens a cycle prefilled, plus each arm's own mean residual,
-fitted to measured whole cycles (every cost included) and shared across batch sizes. Each step runs
-the arm with the most predicted tokens per second; k = 0 whenever target-only has. The rules around the model:
+verify width, the mode, the prompt tokens a cycle prefilled and the sequences that left before it
+(costs of requests, not of arms: predicted at zero), plus each arm's own mean residual, fitted to
+measured whole cycles (every cost included) and shared across batch sizes. Each step runs the arm
+with the most predicted tokens per second; k = 0 whenever target-only has. The rules:
 
 - Warm-up: a bucket with no measured cycle near it runs target-only, k = max (both modes) and
-  k = max / 2 for ``RUN`` cycles each, so the line has its slope and intercept before it decides.
+  k = max / 2 for ``RUN`` cycles each, so the line has its slope and intercept before it decides; one
+  that borrows its neighbours' fit still runs target-only first, the baseline every arm must beat (a
+  step's seconds need not be a line in the batch size: an engine pads batches to sizes it compiled).
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the switch
   (a cold speculation cache, the engine's shapes), which a steady choice does not.
-- Outliers: a cycle over ``cycle_model.OUTLIER`` x its arm's median counts as that much, so one stall
-  (a garbage collection, a busy host) cannot decide between arms. A cycle whose verify also prefilled
-  prompts is no outlier: its prompt tokens are a term of the line.
+- Outliers: a cycle over its arm's median + ``cycle_model.OUTLIER`` median absolute deviations counts
+  as that much: a stall (a garbage collection, a busy host) hits whichever arm runs, and would
+  otherwise count against the arm measured most, the running one. A cycle that also prefilled prompts
+  or followed departures is no outlier: those are terms of the line.
 - Exploration: every ``interval`` choices (from ``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` each
   time an exploration leaves the choice as it was) a bucket runs for ``PROBE`` cycles the arm whose
   predicted rate plus ``OPTIMISM`` standard errors is best, if that beats its own by the hysteresis.
@@ -30,8 +34,8 @@ the arm with the most predicted tokens per second; k = 0 whenever target-only ha
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
 Both target engines (``EngineCore``, the vLLM proposer) decide through ``step_plan.py`` and report
-each step and each cycle with its arm. Decisions are a pure function of the
-observations (``trace``, ``replay``). Pure Python and numpy; knows nothing of models or transports.
+each step and each cycle with its arm. Decisions are a pure function of the observations
+(``trace``, ``replay``). Pure Python and numpy; knows nothing of models or transports.
 """
 
 from __future__ import annotations
@@ -148,9 +152,6 @@ class SpeculationController:
         tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
         return dict(zip(arms, zip((batch_size * tokens / seconds).tolist(), uncertainty.tolist())))
 
-    def rate(self, batch_size: int, arm: Arm) -> float | None:
-        return self.rates(batch_size, True).get(Arm(*arm))
-
     def arms(self, cache: bool) -> tuple[Arm, ...]:
         return _arms(self.max_k, cache)
 
@@ -172,9 +173,10 @@ class SpeculationController:
             return Arm(self.max_k, self.fixed_cache_only and cache)
         st = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         st.choices += 1
-        if st.current is None and not self.model.known(batch_size):
-            warmup = [TARGET_ONLY, Arm(self.max_k, False)] + ([Arm(self.max_k, True)] if cache else [])
-            warmup += [Arm((self.max_k + 1) // 2, False)] if self.max_k > 1 else []
+        if st.current is None:  # the warm-up; of target-only alone where neighbours' cycles inform the fit
+            known, k = self.model.known(batch_size), self.max_k
+            warmup = [] if known and self.model.measured(batch_size, TARGET_ONLY) >= RUN - SETTLE else [TARGET_ONLY]
+            warmup += [] if known else [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1)
             st.current, st.queued = TARGET_ONLY, [a for a in warmup for _ in range(RUN)]
         if not st.queued:
             self._decide(batch_size, st, cache)
@@ -187,7 +189,7 @@ class SpeculationController:
     def _decide(self, batch_size: int, st: _Bucket, cache: bool) -> None:
         ended = st.explored is not None
         due = st.choices >= st.next_explore
-        if not (ended or due or st.current is None or st.choices % DECIDE_EVERY == 0):
+        if not (ended or due or st.choices % DECIDE_EVERY == 0):
             return
         predicted = self._predictions(batch_size, True)
         if not predicted:  # the warm-up's cycles were not measurable (idle gaps): keep the arm until some are
@@ -228,10 +230,8 @@ class SpeculationController:
 
     @staticmethod
     def _hysteresis(predicted: dict, best: Arm, current: Arm) -> float:
-        """The relative gain a switch from ``current`` to ``best`` needs: ``HYSTERESIS``, and from target-only
-        at least ``SWITCH_Z`` standard errors of the two predictions' difference. Target-only is the arm
-        whose cost cannot surprise (no draft, no link, no prefill on the draft's side): speculation
-        leaves it only for a gain the fit can tell from its noise."""
+        """The relative gain a switch needs: ``HYSTERESIS``; from target-only, whose cost cannot surprise
+        (no draft, no link), also ``SWITCH_Z`` standard errors of the two predictions' difference."""
         if current != TARGET_ONLY or current not in predicted:
             return HYSTERESIS
         return max(HYSTERESIS, SWITCH_Z * float(np.hypot(predicted[best][1], predicted[current][1])))
@@ -290,20 +290,21 @@ class SpeculationController:
             self.hit_rate = _ema(self.hit_rate, num_hits / num_blocks, 0.1)
 
     def observe_cycle(self, batch_size: int, num_tokens: int, seconds: float, arm, pure: bool = True,
-                      prefill_tokens: int = 0) -> None:
+                      prefill_tokens: int = 0, left: int = 0) -> None:
         """One engine cycle (everything between the ends of two steps): what it produced and took, and
         the arm it ran. ``pure``: every part of the cycle ran that arm (a cycle that verifies one arm's
         drafts while waiting on another's is a switch); ``prefill_tokens``: prompt tokens its step also
-        computed. Only the tokens' count is unused: E comes from the acceptance."""
+        computed; ``left``: sequences that left the batch since the cycle before. Only the tokens' count
+        is unused: E comes from the acceptance."""
         if self.trace is not None:
-            self.trace.append(("cycle", batch_size, num_tokens, seconds, None if arm is None else tuple(arm), pure, prefill_tokens))
+            self.trace.append(("cycle", batch_size, num_tokens, seconds, None if arm is None else tuple(arm), pure, prefill_tokens, left))
         if not (pure and arm is not None):
             self._run = (None, 0)
             return
         arm = Arm(*arm)
         self._run = (arm, self._run[1] + 1) if self._run[0] == arm else (arm, 1)
         if self._run[1] > SETTLE and seconds > 0:
-            self.model.add(batch_size, arm, prefill_tokens, seconds)
+            self.model.add(batch_size, arm, prefill_tokens, seconds, left)
 
     # -- what the drafts and the metrics read ------------------------------------------------------
     def budget(self, batch_size: int, k: int) -> float:
@@ -317,9 +318,10 @@ class SpeculationController:
 
     def predict(self, batch_size: int, cache: bool = True) -> list[dict]:
         """Per arm: expected tokens per sequence, predicted seconds per cycle, tokens/s, speed-up over k = 0."""
-        rows, base = [], self.rate(batch_size, TARGET_ONLY)
+        rates = self.rates(batch_size, cache)
+        rows, base = [], rates.get(TARGET_ONLY)
         for a in self.arms(cache):
-            seconds, r = self.model.seconds(batch_size, a), self.rate(batch_size, a)
+            seconds, r = self.model.seconds(batch_size, a), rates.get(a)
             rows.append({"k": a.k, "cache_only": a.cache_only, "expected_tokens": self.expected_tokens(a.k, a.cache_only, batch_size),
                          "step_s": seconds, "tokens_per_s": r, "speedup": r / base if r and base else None})
         return rows
@@ -333,7 +335,7 @@ class SpeculationController:
         out = {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "adaptive": self.adaptive,
                "arm_by_bucket": arms, "acceptance_per_pos": list(self.acceptance),
                "coverage_per_pos": {f"{1 << b}/{k}": list(c) for (b, k), c in sorted(dict(self.coverage).items())},
-               "cycle_model": fits,  # seconds = c . [1, B, B*k, speculating, drafting misses * k, prefill tokens]
+               "cycle_model": fits,  # seconds = c . [1, B, B*k, speculating, drafting misses * k, prefill tokens, left]
                "predicted_tokens_per_s": rates,  # by bucket and arm (k, 'c' for cache-only)
                "link_ms": (self.link_s or 0.0) * 1e3, "link_floor_ms": (self.link_floor_s or 0.0) * 1e3,
                "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate or 0.0}

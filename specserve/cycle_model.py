@@ -3,7 +3,7 @@
 A cycle is everything between the ends of two engine steps: the verify forward, the wait for the
 drafts, the link, scheduling and output handling. Its seconds are modelled as a line in
 
-    x = [1, B, B*k, speculating, drafting misses * k, prompt tokens prefilled]
+    x = [1, B, B*k, speculating, drafting misses * k, prompt tokens prefilled, sequences that left]
 
 (B sequences, k draft tokens each) plus each arm's own mean residual, shrunk toward the line, fitted
 by least squares to the last ``WINDOW`` measured cycles of every arm. Every batch-size bucket (1, 2,
@@ -21,13 +21,13 @@ from collections import deque
 
 import numpy as np
 
-NUM_FEATURES = 6
+NUM_FEATURES = 7
 MAX_BUCKET_LOG2 = 12  # buckets 1 .. 4096 sequences
 WINDOW = 32  # measured cycles kept per arm and bucket
 KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
 ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
-OUTLIER = 3.0  # a cycle that prefilled nothing, over this multiple of such cycles' median in its arm window: that much
+OUTLIER = 4.0  # a steady cycle (no prefill, none left) over such cycles' median + this many MADs in its arm window: that much
 
 
 def bucket_of(batch_size: int) -> int:
@@ -35,9 +35,9 @@ def bucket_of(batch_size: int) -> int:
     return min(MAX_BUCKET_LOG2, max(0, round(math.log2(max(1, batch_size)))))
 
 
-def features(batch_size: int, k: int, cache_only: bool, prefill_tokens: int = 0) -> np.ndarray:
+def features(batch_size: int, k: int, cache_only: bool, prefill_tokens: int = 0, left: int = 0) -> np.ndarray:
     spec = 1.0 if k else 0.0
-    return np.array([1.0, batch_size, batch_size * k, spec, spec * (not cache_only) * k, prefill_tokens], dtype=np.float64)
+    return np.array([1.0, batch_size, batch_size * k, spec, spec * (not cache_only) * k, prefill_tokens, left], dtype=np.float64)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -112,9 +112,11 @@ class CycleModel:
         self.windows: dict[tuple, deque] = {}  # (arm, bucket) -> its last WINDOW cycles: [batch size, x, x x', seconds]
         self._seen = 0
 
-    def add(self, batch_size: int, arm: tuple, prefill_tokens: int, seconds: float) -> None:
+    def add(self, batch_size: int, arm: tuple, prefill_tokens: int, seconds: float, left: int = 0) -> None:
+        """A measured cycle; ``left``: sequences that left the batch since the cycle before (their output
+        handling and closing land in this one). Like prompt tokens, a cost of requests, not of the arm."""
         arm = tuple(arm)
-        x = features(batch_size, arm[0], arm[1], prefill_tokens)
+        x = features(batch_size, arm[0], arm[1], prefill_tokens, left)
         own = self.fits.get(bucket_of(batch_size))
         self._seen += 1
         if own is not None and own.weight > 1.0 and self._seen % 4 == 0:  # the noise, sampled: it moves slowly
@@ -128,10 +130,10 @@ class CycleModel:
         if len(window) > WINDOW:
             old = window.popleft()
             self._spread(arm, old, old[3], -1.0)
-        plain = [r for r in window if not r[1][5]]  # (a cycle that also prefilled is explained by its prompt tokens)
-        if len(plain) >= 3:  # one stall (a garbage collection, a busy host) must not decide between arms
-            ordered = sorted(r[3] for r in plain)
-            cap = OUTLIER * ordered[len(ordered) // 2]
+        plain = [r for r in window if not (r[1][5] or r[1][6])]  # (prompts and departures explain the others)
+        if len(plain) >= 5:  # a stall (a garbage collection, a busy host) must not decide between arms
+            median = float(np.median([r[3] for r in plain]))
+            cap = median + OUTLIER * float(np.median([abs(r[3] - median) for r in plain]))
             for r in plain:
                 if r[3] > cap:
                     self._spread(arm, r, cap - r[3], 1.0, moved=True)
@@ -149,6 +151,10 @@ class CycleModel:
     def _fit(self, batch_size: int) -> _Fit | None:
         fit = self.fits.get(bucket_of(batch_size))
         return fit if fit is not None and fit.weight > 0.05 else None
+
+    def measured(self, batch_size: int, arm: tuple) -> int:
+        """Cycles of ``arm`` measured in this batch size's own bucket (kept in its window)."""
+        return len(self.windows.get((tuple(arm), bucket_of(batch_size)), ()))
 
     def known(self, batch_size: int) -> bool:
         """Whether any cycle informs this batch size's bucket."""

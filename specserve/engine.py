@@ -105,6 +105,7 @@ class EngineCore(RequestQueue):
         self._last_asked: dict[str, int] = {}  # the previous step's draft lengths (which rows of the next are warm)
         self._last_step_end: float | None = None
         self._fused_tokens = 0  # prompt tokens whose prefill rides in this step's verify forward
+        self._last_rows: set[str] = set()  # the sequences the last step verified
         self.totals = SpecMetrics()
         self.timing = {k: 0.0 for k in TIMING_KEYS}
         self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_only_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
@@ -220,6 +221,8 @@ class EngineCore(RequestQueue):
             return result
         self.step_id += 1
         batch = len(seqs)  # (seqs is live: sequences that finish in this step leave it)
+        rows = set(seqs)
+        left, self._last_rows = len(self._last_rows - rows), rows  # (their outputs went out in this cycle)
         have_draft = self.pool is not None and self.pool.has_drafts
         wants = plan_draft_lengths(self.controller, len(seqs), have_draft,
                                    ((rid, self.target.room(s), s.params.seed is not None and not s.params.greedy)
@@ -270,7 +273,7 @@ class EngineCore(RequestQueue):
         # (less the prompts it prefilled apart; those whose prefill rode in the verify are a term of the model)
         self.controller.observe_cycle(batch, sum(len(d.token_ids) for d in deltas),
                                       end - (self._last_step_end if busy else start) - prefill_s, arm,
-                                      prefill_tokens=self._fused_tokens)
+                                      prefill_tokens=self._fused_tokens, left=left)
         self._last_step_end = end
         self._account(record, result, deltas, end - start, self.target.forward_s - forward_before)
         return result

@@ -92,6 +92,7 @@ class RemoteDraftProposer:
         self._asked = None  # (ProposeOutcome, {request: block handed}, {request: k asked}, cache only, warm rows) of the last ask
         self._num_seeded = 0  # live seeded sampled requests (they keep the configured k)
         self._prev_arm = None  # the arm of the last step's ask
+        self._last_rows: set[str] = set()  # the requests the last step ran
         head = opts.get("head") or os.environ.get(HEAD_ENV)
         self.head = resolve_model(head) if head else None  # the draft's directory, when it may be a head
         self.hidden_layers = _head_layers(self.head, vllm_config)  # an EAGLE/MTP head's rows, fixed at launch (None: no head)
@@ -388,7 +389,9 @@ class RemoteDraftProposer:
         # drafted for it delivered, every cost included, and the prompt tokens the step prefilled (whose
         # cost the controller takes out); not after an idle gap.
         cycle = [len(live), sum(len(x) for x in sampled_token_ids), self._between is not None and self._last_end is not None,
-                 max(0, num_scheduled - decoded) if num_scheduled is not None else 0]  # (the rest of the step's tokens: prompts)
+                 max(0, num_scheduled - decoded) if num_scheduled is not None else 0,  # (the rest of the step's tokens: prompts)
+                 len(self._last_rows - live.keys())]  # (sequences that left: vLLM handled their outputs in this cycle)
+        self._last_rows = set(live)
         if self._step % RECONCILE_EVERY == 0:
             self._reconcile()
         drafts: list[list[int]] = [[] for _ in range(n)]
@@ -472,13 +475,13 @@ class RemoteDraftProposer:
             observe(self.controller, StepRecord(batch_size, tokens_per_row, step_s + own_s, outcome, len(handed), hits, asked,
                                                 cache_only, warm))
 
-    def _observe_cycle(self, batch_size: int, num_tokens: int, busy: bool, prefill_tokens: int, arm) -> None:
+    def _observe_cycle(self, batch_size: int, num_tokens: int, busy: bool, prefill_tokens: int, left: int, arm) -> None:
         """This cycle verified the last ask's drafts and waited on this step's ask: it measures ``arm``
         when both asks ran it (None: a step that asked nothing while its arm speculates)."""
         pure = arm is not None and arm == self._prev_arm
         self._prev_arm = arm
         if busy and batch_size:
-            self.controller.observe_cycle(batch_size, num_tokens, time.perf_counter() - self._last_end, arm, pure, prefill_tokens)
+            self.controller.observe_cycle(batch_size, num_tokens, time.perf_counter() - self._last_end, arm, pure, prefill_tokens, left)
 
     def _seeded_sampled(self, rid: str) -> bool:
         params = seam.sampling_params(self.runner, rid)

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from specserve.adaptive import (EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
+from specserve.adaptive import (DECIDE_EVERY, EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
                                 replay)
 from specserve.cycle_model import CycleModel
 
@@ -139,12 +139,14 @@ def test_warm_up_runs_target_only_and_both_modes_then_decides():
     assert arms == [TARGET_ONLY] * RUN + [Arm(4, False)] * RUN + [Arm(4, True)] * RUN + [Arm(2, False)] * RUN
 
 
-def test_a_new_batch_size_is_decided_from_its_neighbours_without_a_warm_up():
+def test_a_new_batch_size_is_decided_from_its_neighbours_after_measuring_target_only():
     pair = Pair(0.8, costs(0.02, 0.0001, 0.001, 0.002, per_seq=0.0002))
     ctrl = SpeculationController(max_k=4)
     run(ctrl, lambda step: 8 if step % 2 else 32, pair, 600)
     arms = run(ctrl, 16, pair, 20, seed=3)
-    assert TARGET_ONLY not in arms[:RUN]  # no warm-up: the neighbours' cycles already inform batch 16
+    # target-only, the baseline, measured in the bucket itself; the speculative arms' warm-up is not
+    # needed: the neighbours' cycles inform batch 16
+    assert arms[:RUN] == [TARGET_ONLY] * RUN and TARGET_ONLY not in arms[RUN + DECIDE_EVERY:], arms
     decided = ctrl.buckets[4].current  # batch 16's bucket, after 20 cycles
     assert pair.rate(decided, 16) > 0.95 * pair.rate(pair.best(4, 16), 16), (decided, arms)
 
@@ -221,18 +223,22 @@ def test_decisions_replay_from_the_trace():
 
 
 def test_the_cycle_model_recovers_a_line_and_lends_it_to_neighbouring_batch_sizes():
+    """Prompt tokens and departures are requests' costs: learned as terms of the line, and the arms'
+    seconds are predicted without them."""
     model, r = CycleModel(), random.Random(0)
-    truth = np.array([0.004, 0.0002, 0.0003, 0.001, 0.0015, 0.00001])  # [1, B, B*k, speculating, misses*k, prompt tokens]
+    truth = np.array([0.004, 0.0002, 0.0003, 0.001, 0.0015, 0.00001, 0.006])  # [1, B, B*k, speculating, misses*k, prompt tokens, left]
 
-    def seconds(b, k, cache_only, prompt):
+    def seconds(b, k, cache_only, prompt, left=0):
         spec = 1.0 if k else 0.0
-        return float(truth @ [1, b, b * k, spec, spec * (not cache_only) * k, prompt])
+        return float(truth @ [1, b, b * k, spec, spec * (not cache_only) * k, prompt, left])
 
     for _ in range(400):
         b, k, c, p = r.choice([4, 6, 8, 12]), r.randrange(5), r.random() < 0.5, r.choice([0, 0, 64])
-        model.add(b, (k, c), p, seconds(b, k, c, p) * r.uniform(0.97, 1.03))
+        left = r.choice([0, 0, 0, 1, 2])
+        model.add(b, (k, c), p, seconds(b, k, c, p, left) * r.uniform(0.97, 1.03), left)
     for b, arm in [(8, (3, False)), (8, (0, False)), (16, (2, True)), (16, (4, False))]:
         assert model.seconds(b, arm) == pytest.approx(seconds(b, *arm, 0), rel=0.05)
+    assert model.coefficients(8)[6] == pytest.approx(truth[6], rel=0.2)
     assert model.uncertainty(8, (3, False)) < 0.02 < model.uncertainty(256, (3, False))
     assert model.seconds(1024, (1, False)) is None  # nothing measured within two octaves
 

@@ -48,15 +48,18 @@ def test_sim_pair_greedy_equals_sim_target_only(ahead, adaptive, ordered_draft_a
 
 
 def test_a_prefill_that_rides_in_the_verify_is_recorded_with_its_cycle(monkeypatch):
-    """The controller learns a cycle's prompt tokens as a term of the cycle model: the cycle that
-    admitted every prompt must not count as a slow cycle of whichever arm it met."""
+    """The controller learns a cycle's prompt tokens and the sequences that left before it as terms of
+    the cycle model: the cycle that admitted every prompt must not count as a slow cycle of whichever
+    arm it met."""
     monkeypatch.setenv("SPECSERVE_TRACE", "1")
     prompts = random_contexts(6, seed=4)
     with sim_llm(True, num_speculative_tokens=4, adaptive=True) as llm:
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         trace = llm.metrics()["speculation"]["trace"]
-    prefilled = [e[6] for e in trace if e[0] == "cycle"]  # (however the steps admitted them)
-    assert sum(prefilled) == sum(len(p) for p in prompts)
+    cycles = [e for e in trace if e[0] == "cycle"]
+    assert sum(e[6] for e in cycles) == sum(len(p) for p in prompts)  # (however the steps admitted them)
+    # and so are the departures, each in the cycle after its last (the last cycle's have no cycle after)
+    assert sum(e[7] for e in cycles) == len(prompts) - cycles[-1][1]
 
 
 @pytest.mark.parametrize("acceptance", [0.3, 0.8, 0.95])
