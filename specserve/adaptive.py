@@ -11,10 +11,12 @@ verify width, the mode, the prompt tokens a cycle prefilled and the sequences th
 measured whole cycles (every cost included) and shared across batch sizes. Each step runs the arm
 with the most predicted tokens per second; k = 0 whenever target-only has. The rules:
 
-- Warm-up: a bucket with no measured cycle near it runs target-only, k = max (both modes) and
-  k = max / 2 for ``RUN`` cycles each, so the line has its slope and intercept before it decides; one
-  that borrows its neighbours' fit still runs target-only first, the baseline every arm must beat (a
-  step's seconds need not be a line in the batch size: an engine pads batches to sizes it compiled).
+- Warm-up: a bucket with no measured cycle near it runs k = max (both modes), k = max / 2 and then
+  target-only for ``RUN`` cycles each, so the line has its slope and intercept before it decides; one
+  that borrows its neighbours' fit runs target-only alone, the baseline every arm must beat (a step's
+  seconds need not be a line in the batch size: an engine pads batches to sizes it compiled).
+  Target-only runs last: a bucket's first cycles are cold (new shapes, prompts still reaching the
+  drafts) and would make the baseline look slower than it is.
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the switch
   (a cold speculation cache, the engine's shapes), which a steady choice does not.
 - Outliers: a cycle over its arm's median + ``cycle_model.OUTLIER`` median absolute deviations counts
@@ -175,8 +177,8 @@ class SpeculationController:
         st.choices += 1
         if st.current is None:  # the warm-up; of target-only alone where neighbours' cycles inform the fit
             known, k = self.model.known(batch_size), self.max_k
-            warmup = [] if known and self.model.measured(batch_size, TARGET_ONLY) >= RUN - SETTLE else [TARGET_ONLY]
-            warmup += [] if known else [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1)
+            warmup = [] if known else [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1)
+            warmup += [] if known and self.model.measured(batch_size, TARGET_ONLY) >= RUN - SETTLE else [TARGET_ONLY]
             st.current, st.queued = TARGET_ONLY, [a for a in warmup for _ in range(RUN)]
         if not st.queued:
             self._decide(batch_size, st, cache)

@@ -133,10 +133,10 @@ def test_an_exploration_is_spaced_by_its_predicted_cost():
     assert 0 < ctrl._spacing(rates, cheap, mine) < ctrl._spacing(rates, dear, mine) <= 4 / EXPLORE_BUDGET
 
 
-def test_warm_up_runs_target_only_and_both_modes_then_decides():
+def test_warm_up_runs_both_modes_then_target_only_then_decides():
     ctrl = SpeculationController(max_k=4)
     arms = run(ctrl, 8, PAIRS["misses make the batch wait: cache-only pays"][0], 4 * RUN)
-    assert arms == [TARGET_ONLY] * RUN + [Arm(4, False)] * RUN + [Arm(4, True)] * RUN + [Arm(2, False)] * RUN
+    assert arms == [Arm(4, False)] * RUN + [Arm(4, True)] * RUN + [Arm(2, False)] * RUN + [TARGET_ONLY] * RUN
 
 
 def test_a_new_batch_size_is_decided_from_its_neighbours_after_measuring_target_only():
