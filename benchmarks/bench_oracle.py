@@ -113,9 +113,9 @@ def segments(trace: list, batch: int) -> list[dict]:
         elif kind == "coverage":
             current["coverage"].append(list(event[1:3]))
         elif kind == "cycle":
-            _, b, tokens, seconds, arm, pure, prefill = event
+            _, b, tokens, seconds, arm, pure, prefill, left = event
             if b == batch and pure:
-                out.append({**current, "tokens": tokens, "seconds": seconds, "prefill": prefill})
+                out.append({**current, "tokens": tokens, "seconds": seconds, "prefill": prefill, "left": left})
             current = None
     return out
 

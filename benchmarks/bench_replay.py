@@ -53,7 +53,7 @@ def replay(controller, arms: dict, batch: int, tokens: int) -> dict:
             controller.observe_acceptance(drafted, accepted)
         for asked, got in step["coverage"]:
             controller.observe_coverage(asked, got, batch)
-        controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"])
+        controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"], step.get("left", 0))
         ran[arm] = ran.get(arm, 0) + 1
         sequence.append(arm)
         made, seconds = made + step["tokens"], seconds + step["seconds"]
