@@ -153,8 +153,9 @@ class CycleModel:
         return fit if fit is not None and fit.weight > 0.05 else None
 
     def measured(self, batch_size: int, arm: tuple) -> int:
-        """Cycles of ``arm`` measured in this batch size's own bucket (kept in its window)."""
-        return len(self.windows.get((tuple(arm), bucket_of(batch_size)), ()))
+        """Steady cycles (no prompt prefilled, none left before) of ``arm`` in this batch size's own
+        bucket's window: a draining batch's cycles are mostly departures, and say little of a steady one."""
+        return sum(1 for r in self.windows.get((tuple(arm), bucket_of(batch_size)), ()) if not (r[1][5] or r[1][6]))
 
     def known(self, batch_size: int) -> bool:
         """Whether any cycle informs this batch size's bucket."""

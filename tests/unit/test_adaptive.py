@@ -270,3 +270,15 @@ def test_target_only_is_left_only_for_a_gain_the_fit_can_tell_from_its_noise():
     arms = run(ctrl, 8, pair, 4 * EXPLORE_MAX, noise=0.2)
     tail = arms[-3 * EXPLORE_MAX:]
     assert sum(1 for a in tail if a.k) <= 8 * RUN, {a: tail.count(a) for a in set(tail)}
+
+
+def test_a_draining_batch_does_not_stand_for_a_steady_one():
+    """Target-only cycles a bucket saw only while a larger batch drained (each after a departure) do not
+    count as its measurement of target-only: it still runs target-only itself before it speculates."""
+    pair = Pair(0.8, costs(0.02, 0.0001, 0.001, 0.002, per_seq=0.0002))
+    ctrl = SpeculationController(max_k=4)
+    run(ctrl, 16, pair, 300)
+    for _ in range(2 * RUN):  # a drain through batch 8: target-only, a sequence leaving before every cycle
+        ctrl.observe_cycle(8, 8, 2 * pair.seconds(TARGET_ONLY, 8), TARGET_ONLY, left=1)
+    arms = run(ctrl, 8, pair, RUN, seed=3)
+    assert arms == [TARGET_ONLY] * RUN
