@@ -13,10 +13,10 @@ with the most predicted tokens per second; k = 0 whenever target-only has. The r
 
 - Warm-up: a bucket with no measured cycle near it runs k = max (both modes), k = max / 2 and then
   target-only for ``RUN`` cycles each, so the line has its slope and intercept before it decides; one
-  that borrows its neighbours' fit runs target-only alone, the baseline every arm must beat (a step's
-  seconds need not be a line in the batch size: an engine pads batches to sizes it compiled).
-  Target-only runs last: a bucket's first cycles are cold (new shapes, prompts still reaching the
-  drafts) and would make the baseline look slower than it is.
+  that borrows its neighbours' fit runs target-only alone (unless it measured steady cycles of it),
+  the baseline every arm must beat (a step's seconds need not be a line in the batch size: an engine
+  pads batches to sizes it compiled). Target-only runs last: a bucket's first cycles are cold (new
+  shapes, prompts still reaching the drafts) and would make the baseline look slower than it is.
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the switch
   (a cold speculation cache, the engine's shapes), which a steady choice does not.
 - Outliers: a cycle over its arm's median + ``cycle_model.OUTLIER`` median absolute deviations counts
