@@ -109,7 +109,7 @@ def test_the_kept_runs_redraw_from_their_raw_json(tmp_path, capsys):
 
     vllm = bench_vllm(["--from-json", str(RESULTS / "bench_vllm" / "results.json.gz"), "--out", str(tmp_path / "vllm")])
     rows = {(r["pair"], r["batch"], r["system"]): r for r in vllm["summary"]}
-    systems = ("vllm target-only", "vllm colocated k=4", "specserve d=0ms", "specserve own engine")
+    systems = ("vllm target-only", "vllm colocated k=4", "specserve d=0ms")
     assert set(rows) == {(p, b, s) for p in ("demo", "realistic") for b in (1, 8, 32) for s in systems}
     assert all(rows[(p, b, "specserve d=0ms")]["exact"] for p in ("demo", "realistic") for b in (1, 8, 32))
     tables = (tmp_path / "vllm" / "tables.md").read_text()
