@@ -14,6 +14,7 @@ controller, on the same recorded data: offline, in seconds, untouched by the mac
 from __future__ import annotations
 
 import gzip
+import inspect
 import json
 import statistics
 import subprocess
@@ -38,6 +39,9 @@ def arm_of(name: str) -> tuple[int, bool]:
 def replay(controller, arms: dict, batch: int, tokens: int) -> dict:
     """Drive ``controller`` on the recorded ``arms`` ({arm: [step, ...]}) until they made ``tokens``; what it
     ran and delivered."""
+    # (a controller from before departures were a term of its model is not told them)
+    takes = "left" in inspect.signature(controller.observe_cycle).parameters
+    left = (lambda step: (step.get("left", 0),)) if takes else (lambda step: ())
     cursor = {arm: 0 for arm in arms}
     ran, made, seconds, sequence = {}, 0, 0.0, []
     while made < tokens:
@@ -53,7 +57,7 @@ def replay(controller, arms: dict, batch: int, tokens: int) -> dict:
             controller.observe_acceptance(drafted, accepted)
         for asked, got in step["coverage"]:
             controller.observe_coverage(asked, got, batch)
-        controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"], step.get("left", 0))
+        controller.observe_cycle(batch, step["tokens"], step["seconds"], arm, True, step["prefill"], *left(step))
         ran[arm] = ran.get(arm, 0) + 1
         sequence.append(arm)
         made, seconds = made + step["tokens"], seconds + step["seconds"]
