@@ -40,6 +40,11 @@ def features(batch_size: int, k: int, cache_only: bool, prefill_tokens: int = 0,
     return np.array([1.0, batch_size, batch_size * k, spec, spec * (not cache_only) * k, prefill_tokens, left], dtype=np.float64)
 
 
+def _steady(row: list) -> bool:
+    """A window row of a cycle that prefilled no prompt and followed no departure."""
+    return not (row[1][5] or row[1][6])
+
+
 @functools.lru_cache(maxsize=1024)
 def _features_of(batch_size: int, arms: tuple) -> np.ndarray:
     return np.array([features(batch_size, k, c) for k, c in arms])
@@ -130,7 +135,7 @@ class CycleModel:
         if len(window) > WINDOW:
             old = window.popleft()
             self._spread(arm, old, old[3], -1.0)
-        plain = [r for r in window if not (r[1][5] or r[1][6])]  # (prompts and departures explain the others)
+        plain = [r for r in window if _steady(r)]  # (prompts and departures explain the others)
         if len(plain) >= 5:  # a stall (a garbage collection, a busy host) must not decide between arms
             median = float(np.median([r[3] for r in plain]))
             cap = median + OUTLIER * float(np.median([abs(r[3] - median) for r in plain]))
@@ -155,7 +160,7 @@ class CycleModel:
     def measured(self, batch_size: int, arm: tuple) -> int:
         """Steady cycles (no prompt prefilled, none left before) of ``arm`` in this batch size's own
         bucket's window: a draining batch's cycles are mostly departures, and say little of a steady one."""
-        return sum(1 for r in self.windows.get((tuple(arm), bucket_of(batch_size)), ()) if not (r[1][5] or r[1][6]))
+        return sum(1 for r in self.windows.get((tuple(arm), bucket_of(batch_size)), ()) if _steady(r))
 
     def known(self, batch_size: int) -> bool:
         """Whether any cycle informs this batch size's bucket."""
