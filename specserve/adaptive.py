@@ -2,32 +2,27 @@
 cannot answer from its speculation cache drafts on the critical path or answers *cache-only* (with
 what its cache holds, so one miss cannot make the whole batch wait).
 
-An *arm* is one such choice; (0, False) is target-only. At batch size B an arm delivers B x E tokens
-per cycle of T seconds. E = 1 + sum over j <= k of a_1 ... a_j x c_j, with a_i the per-position
-acceptance and c_j the cache's coverage (P(a cache-only block asked for k holds j tokens), per bucket
-and k; 1 when misses are drafted). T comes from the cycle model (``cycle_model.py``): a line in the
-verify width, the mode, the prompt tokens a cycle prefilled and the sequences that left before it
-(costs of requests, not of arms: predicted at zero), plus each arm's own mean residual, fitted to
-measured whole cycles (every cost included) and shared across batch sizes. Each step runs the arm
-with the most predicted tokens per second; k = 0 whenever target-only has. The rules:
+An *arm* is one such choice; (0, False) is target-only. At batch size B an arm yields B x E tokens per
+cycle of T seconds: E = 1 + sum over j <= k of a_1 ... a_j x c_j (a_i the per-position acceptance, c_j
+the cache's coverage per bucket and k, 1 when misses are drafted); T is the cycle model's prediction
+(``cycle_model.py``: a line fitted to measured whole cycles, shared across batch sizes, plus each
+arm's own mean residual). Each step runs the arm with the most predicted tokens per second; k = 0
+whenever target-only has it. The rules:
 
 - Warm-up: a bucket with no measured cycle near it runs k = max (both modes), k = max / 2 and then
-  target-only for ``RUN`` cycles each, so the line has its slope and intercept before it decides; one
-  that borrows its neighbours' fit runs target-only alone (unless it measured steady cycles of it),
-  the baseline every arm must beat (a step's seconds need not be a line in the batch size: an engine
-  pads batches to sizes it compiled). Target-only runs last: a bucket's first cycles are cold (new
-  shapes, prompts still reaching the drafts) and would make the baseline look slower than it is.
-- Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the switch
-  (a cold speculation cache, the engine's shapes), which a steady choice does not.
-- Outliers: a cycle over its arm's median + ``cycle_model.OUTLIER`` median absolute deviations counts
-  as that much: a stall (a garbage collection, a busy host) hits whichever arm runs, and would
-  otherwise count against the arm measured most, the running one. A cycle that also prefilled prompts
-  or followed departures is no outlier: those are terms of the line.
+  target-only for ``RUN`` cycles each, so the line has its slope and intercept; one that borrows its
+  neighbours' fit runs target-only alone (unless it measured steady cycles of it), the baseline every
+  arm must beat (a step need not be a line in B: engines pad batches to sizes they compiled).
+  Target-only runs last: a bucket's first cycles are cold and would make the baseline look slow.
+- Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the
+  switch (a cold speculation cache, the engine's shapes), which a steady choice does not.
+- Outliers: a steady cycle over its arm's median + ``cycle_model.OUTLIER`` median absolute deviations
+  counts as that much: a stall hits whichever arm runs, and would count against the one measured most.
 - Exploration: every ``interval`` choices (from ``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` each
   time an exploration leaves the choice as it was) a bucket runs for ``PROBE`` cycles the arm whose
-  predicted rate plus ``OPTIMISM`` standard errors is best, if that beats its own by the hysteresis.
-  Every ``EXPLORE_MAX`` choices the least recently measured neighbour (k +- 1, the other mode,
-  target-only; k = 1 from target-only) runs whatever its prediction, so a stale fit cannot hide one.
+  predicted rate plus ``OPTIMISM`` standard errors is best, if that beats its own by the hysteresis;
+  every ``EXPLORE_MAX`` choices, the least recently measured neighbour (k +- 1, the other mode,
+  target-only) whatever its prediction, so a stale fit cannot hide one.
 - Budget: an exploration's predicted cost (the tokens it delivers fewer than the running arm would)
   is spread over enough choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: the arm changes only for a predicted gain over ``HYSTERESIS``; from target-only, also
@@ -35,13 +30,13 @@ with the most predicted tokens per second; k = 0 whenever target-only has. The r
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
-Both target engines (``EngineCore``, the vLLM proposer) decide through ``step_plan.py`` and report
-each step and each cycle with its arm. Decisions are a pure function of the observations
-(``trace``, ``replay``). Pure Python and numpy; knows nothing of models or transports.
+Both target engines (``EngineCore``, the vLLM proposer) decide through ``step_plan.py``. Decisions are
+a pure function of the observations (``trace``, ``replay``). Pure Python and numpy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections import deque
@@ -349,29 +344,19 @@ class SpeculationController:
 def _copy(events: deque) -> list:
     """The trace as a list, though the engine's thread may append meanwhile (a deque then refuses iteration)."""
     for _ in range(10):
-        try:
+        with contextlib.suppress(RuntimeError):
             return list(events)
-        except RuntimeError:
-            continue
     return []
 
 
 def replay(trace: Iterable[tuple], controller: SpeculationController) -> list:
     """Feed a recorded trace's observations to ``controller``, in order; the arms it chose, one per choice."""
-    chosen = []
-    for event in trace:
-        kind, args = event[0], event[1:]
+    chosen, observe = [], {"acceptance": controller.observe_acceptance, "coverage": controller.observe_coverage,
+                           "step": controller.observe_step, "cycle": controller.observe_cycle, "push": controller.push_due}
+    for kind, *args in trace:
         if kind == "choose":
             controller.choose(*args[:3])
             chosen.append(None if controller.arm is None else tuple(controller.arm))
-        elif kind == "acceptance":
-            controller.observe_acceptance(*args)
-        elif kind == "coverage":
-            controller.observe_coverage(*args)
-        elif kind == "step":
-            controller.observe_step(*args)
-        elif kind == "cycle":
-            controller.observe_cycle(*args)
-        elif kind == "push":
-            controller.push_due(*args)
+        elif kind in observe:
+            observe[kind](*args)
     return chosen

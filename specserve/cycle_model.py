@@ -73,18 +73,19 @@ class _Fit:
         self.dirty = False
         self.sq = self.sqw = 0.0  # faded sum of squared relative residuals (one cycle's noise) and its weight
 
-    def add(self, arm: tuple, x: np.ndarray, xx: np.ndarray | None, seconds: float, w: float) -> None:
-        """A row of weight ``w`` (negative: taken out); ``xx`` None: only its seconds change by ``seconds``."""
-        a = self.arms.get(arm)
-        if a is None:
-            a = self.arms[arm] = [np.zeros(NUM_FEATURES), 0.0, 0.0]
+    def add(self, arm: tuple | None, x: np.ndarray, xx: np.ndarray | None, seconds: float, w: float) -> None:
+        """A row of weight ``w`` (negative: taken out); ``xx`` None: only its seconds change by ``seconds``;
+        ``arm`` None: a row of the line alone, not of any arm's own residual."""
+        a = self.arms.setdefault(arm, [np.zeros(NUM_FEATURES), 0.0, 0.0]) if arm is not None else None
         if xx is not None:
             self.xx += w * xx
-            a[0] += w * x
-            a[2] += w
             self.weight += w
+            if a is not None:
+                a[0] += w * x
+                a[2] += w
         self.xy += (w * seconds) * x
-        a[1] += w * seconds
+        if a is not None:
+            a[1] += w * seconds
         self.dirty = True
 
     def solve(self) -> np.ndarray:
@@ -147,11 +148,12 @@ class CycleModel:
     def _spread(self, arm: tuple, row: list, seconds: float, sign: float, moved: bool = False) -> None:
         """Add (sign 1) or take out (-1) a window row in every bucket it informs; ``moved``: only its seconds change."""
         batch_size, x, xx, _ = row
+        own = bucket_of(batch_size) if _steady(row) else None
         for b, w in _weights(batch_size):
             fit = self.fits.get(b)
             if fit is None:
                 fit = self.fits[b] = _Fit()
-            fit.add(arm, x, None if moved else xx, seconds, sign * w)
+            fit.add(arm if b == own else None, x, None if moved else xx, seconds, sign * w)
 
     def _fit(self, batch_size: int) -> _Fit | None:
         fit = self.fits.get(bucket_of(batch_size))

@@ -282,3 +282,18 @@ def test_a_draining_batch_does_not_stand_for_a_steady_one():
         ctrl.observe_cycle(8, 8, 2 * pair.seconds(TARGET_ONLY, 8), TARGET_ONLY, left=1)
     arms = run(ctrl, 8, pair, RUN, seed=3)
     assert arms == [TARGET_ONLY] * RUN
+
+
+
+def test_an_arms_own_residual_is_of_its_steady_cycles_at_its_own_batch_size():
+    """The line's terms for prompts and departures are shared by every arm, but what a departure costs
+    need not be (the output handling of a verify differs from a plain step's): an arm's own residual is
+    of its steady cycles, so a departure's cost unlike the line's cannot move its steady prediction."""
+    model, r = CycleModel(), random.Random(1)
+    steady, departure = {(0, False): 0.020, (2, True): 0.036}, {(0, False): 0.016, (2, True): 0.002}
+    for _ in range(8):
+        for arm, cost in steady.items():
+            for left in (0, 0, 1, 0, 1, 0):
+                model.add(32, arm, 0, (cost + left * departure[arm]) * r.uniform(0.98, 1.02), left)
+    for arm, cost in steady.items():
+        assert model.seconds(32, arm) == pytest.approx(cost, rel=0.05)
