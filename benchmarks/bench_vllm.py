@@ -21,7 +21,10 @@ cores of its own; the target node stands for the big box, the draft node for the
 Load: ``sustained`` (default) keeps B requests in flight over max(prompts, 3 B) prompts, a new one
 starting as soon as one finishes: serving at concurrency B. ``wave`` sends waves of exactly B and
 waits for each: a batch job, where speculation also pays for the wave waiting on its slowest request.
-For each batch size every system is warmed up by one whole untimed run, then the repeats run
+Every request asks for the same ``--max-tokens`` (``ignore_eos``) unless ``--length-spread`` s draws each
+from max-tokens x [1 - s, 1 + s], as a server's requests differ: equal lengths keep target-only's
+requests in lock-step (every step full, a wave's prompts prefilled in one step, no drain), which
+speculation's varying acceptance breaks. For each batch size every system is warmed up by one whole untimed run, then the repeats run
 round-robin with the order rotating, so a slow moment of the machine hits all systems alike.
 
 Per row: tokens/s (median, min-max); the ratio to vLLM colocated and to vLLM target-only;
@@ -47,6 +50,7 @@ speedup_vs_batch.png.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import sys
 import time
@@ -89,13 +93,13 @@ class PlainVLLM:
                     out[m.name] = out.get(m.name, 0) + m.value
         return out
 
-    def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
+    def run(self, prompts, batch: int, max_tokens: list[int], sustained: bool = True) -> dict:
         import torch
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         torch.get_num_threads()  # this thread's OpenMP count = torch's (specserve.vllm.options.sync_omp_threads)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         before = self._counters()
         start, token_ids = time.perf_counter(), []
         if sustained:  # B in flight: the engine's own loop, a new request added as soon as one finishes
@@ -103,7 +107,7 @@ class PlainVLLM:
             self.runs = getattr(self, "runs", 0) + 1
             while len(done) < len(prompts):
                 while added < len(prompts) and added - len(done) < batch:
-                    engine.add_request(f"run{self.runs}-{added}", TokensPrompt(prompt_token_ids=prompts[added]), params)
+                    engine.add_request(f"run{self.runs}-{added}", TokensPrompt(prompt_token_ids=prompts[added]), params[added])
                     added += 1
                 for o in engine.step():
                     if o.finished:
@@ -111,7 +115,7 @@ class PlainVLLM:
             token_ids = [done[i] for i in range(len(prompts))]
         else:
             for i in range(0, len(prompts), batch):
-                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + batch]], params, use_tqdm=False)
+                outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i:i + batch]], params[i:i + batch], use_tqdm=False)
                 token_ids += [list(o.outputs[0].token_ids) for o in outs]
         wall = time.perf_counter() - start
         c = {k: v - before.get(k, 0) for k, v in self._counters().items()}
@@ -125,7 +129,7 @@ class VLLMRunner:
 
         self.actor = ray.remote(PlainVLLM).options(num_cpus=0.25, label_selector={ROLE: "target"}).remote(**kwargs)
 
-    def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
+    def run(self, prompts, batch: int, max_tokens: list[int], sustained: bool = True) -> dict:
         import ray
 
         return ray.get(self.actor.run.remote(prompts, batch, max_tokens, sustained))
@@ -148,17 +152,17 @@ class SpecserveRunner:
         self.llm = LLM(target, draft=draft if options.get("num_speculative_tokens", 1) else None, ray=True, **backend,
                        target_num_cpus=0.25, draft_num_cpus=0.25, cpu_threads=1, runtime_env={"env_vars": THREAD_ENV}, **options)
 
-    def run(self, prompts, batch: int, max_tokens: int, sustained: bool = True) -> dict:
+    def run(self, prompts, batch: int, max_tokens: list[int], sustained: bool = True) -> dict:
         from specserve import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
         before = self.llm.metrics()
         start, outs = time.perf_counter(), []
         if sustained:  # B in flight, a new request sent as soon as one finishes (RayEngine's window)
-            outs = self.llm._engine.generate([None] * len(prompts), prompts, [params] * len(prompts), False, max_in_flight=batch)
+            outs = self.llm._engine.generate([None] * len(prompts), prompts, params, False, max_in_flight=batch)
         else:
             for i in range(0, len(prompts), batch):
-                outs += self.llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+                outs += self.llm.generate(prompts[i:i + batch], params[i:i + batch], use_tqdm=False)
         wall = time.perf_counter() - start
         after = self.llm.metrics()
         if self.own_engine:  # specserve's engine names its counters otherwise
@@ -260,20 +264,26 @@ def bench_pair(name: str, target: str, draft: str, args, log) -> list[dict]:
             runners[sys_name] = make()
         sustained = args.load == "sustained"
         for batch in args.batch_sizes:
-            wave = prompts[: count(batch)]
+            wave, lengths = prompts[: count(batch)], request_lengths(count(batch), args.max_tokens, args.length_spread)
             for sys_name, r in runners.items():  # warm-up, untimed: one whole run, the same for every system
-                r.run(wave, batch, args.max_tokens, sustained)  # (shapes, and the adaptive controller's estimates)
+                r.run(wave, batch, lengths, sustained)  # (shapes, and the adaptive controller's estimates)
             names = list(runners)
             for repeat in range(args.repeats):
                 shift = repeat % len(names)
                 for sys_name in names[shift:] + names[:shift]:
-                    rec = runners[sys_name].run(wave, batch, args.max_tokens, sustained)
+                    rec = runners[sys_name].run(wave, batch, lengths, sustained)
                     records.append({"pair": name, "system": sys_name, "batch": batch, "repeat": repeat, **rec})
                     log(f"{name:9s} b={batch:<2d} r={repeat + 1} {sys_name:24s} {tok_s(rec):8.1f} tok/s")
     finally:
         for r in runners.values():
             r.close()
     return records
+
+
+def request_lengths(n: int, max_tokens: int, spread: float) -> list[int]:
+    """Each request's max_tokens: ``max_tokens``, or with ``spread`` s uniform in [(1 - s) L, (1 + s) L],
+    drawn by the request's index, so every system and round gets the same lengths."""
+    return [max(1, round(max_tokens * (1.0 + spread * (2.0 * random.Random(i).random() - 1.0)))) for i in range(n)]
 
 
 def tok_s(record: dict) -> float:
@@ -423,6 +433,9 @@ def main(argv=None) -> dict:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per run at batch 1 (batch B runs max(3 B, this))")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (held-out text the demo pair never saw)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens generated per prompt; default 64 (--quick: 24)")
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="requests' lengths uniform in max-tokens x [1 - s, 1 + s] (as a server sees them) instead of all "
+                        "max-tokens, which keeps target-only's requests in lock-step; 0 <= s < 1, default 0")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens of every speculative system")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per row, the table gives their median; default 3 (--quick: 1)")
     p.add_argument("--vllm-stats", action="store_true", help="stat logging in vLLM's own rows, for their acceptance "
@@ -451,6 +464,8 @@ def main(argv=None) -> dict:
     args.batch_sizes = [int(x) for x in (args.batch_sizes or ("1,8" if q else "1,8,32")).split(",")]
     args.delays_ms = [float(x) for x in (args.delays_ms or ("0" if q else "0,1,5")).split(",")]
     args.max_tokens = args.max_tokens or (24 if q else 64)
+    if not 0.0 <= args.length_spread < 1.0:
+        p.error(f"--length-spread must be in [0, 1), got {args.length_spread}")
     args.systems = [x.strip() for x in args.systems.split(",")] if args.systems else None
     args.repeats = args.repeats or (1 if q else 3)
     out = Path(args.out)
@@ -489,7 +504,8 @@ def main(argv=None) -> dict:
             f"(target cores {cores['target']}, draft cores {cores['draft']}, Ray's head on the {args.head}'s); greedy, k<={args.k}, "
             f"{args.load} load: " + (f"B requests in flight over max({args.num_prompts}, 3 B) prompts" if args.load == "sustained"
                                      else f"waves of B over max(B, {args.num_prompts}) prompts")
-            + f" x {args.max_tokens} tokens, medians of {args.repeats}; vLLM's own systems "
+            + f" x {args.max_tokens} tokens" + (f" (each within +-{args.length_spread:.0%})" if args.length_spread else "")
+            + f", medians of {args.repeats}; vLLM's own systems "
             + ("with vLLM's engine-core process" if args.vllm_multiprocessing else "in their actor's process")
             + (", with stat logging" if args.vllm_stats else ", without stat logging (vLLM's offline default, and specserve's)")
             + "\n\n"
