@@ -221,6 +221,23 @@ def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsy
         assert f"--from-json {bad}: not a results.json this benchmark wrote" in capsys.readouterr().err
 
 
+def test_vllm_bench_spreads_request_lengths_the_same_for_every_system(tmp_path, capsys):
+    """--length-spread s: each request's length drawn by its index from L x [1 - s, 1 + s] (every system
+    and round gets the same), none at 0; out of [0, 1) it is refused before anything starts."""
+    from benchmarks.bench_vllm import main as bench_vllm
+    from benchmarks.bench_vllm import request_lengths
+
+    assert request_lengths(5, 64, 0.0) == [64] * 5
+    spread = request_lengths(200, 64, 0.5)
+    assert spread == request_lengths(200, 64, 0.5) and spread[:20] == request_lengths(20, 64, 0.5)
+    assert min(spread) >= 32 and max(spread) <= 96 and len(set(spread)) > 30
+    assert min(request_lengths(50, 2, 0.9)) >= 1
+    for bad in ("1", "-0.1"):
+        with pytest.raises(SystemExit):
+            bench_vllm(["--length-spread", bad, "--out", str(tmp_path)])
+        assert "--length-spread must be in [0, 1)" in capsys.readouterr().err
+
+
 def test_vllm_bench_counts_the_own_engines_prefills_as_forwards_not_overhead(tiny_pair):
     """bench_vllm's own-engine rows split a step as the vLLM target's: its overhead is what is neither a
     target forward (verify or prefill) nor the wait for the draft, and the parts add up to the wall time."""
