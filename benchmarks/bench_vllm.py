@@ -21,11 +21,12 @@ cores of its own; the target node stands for the big box, the draft node for the
 Load: ``sustained`` (default) keeps B requests in flight over max(prompts, 3 B) prompts, a new one
 starting as soon as one finishes: serving at concurrency B. ``wave`` sends waves of exactly B and
 waits for each: a batch job, where speculation also pays for the wave waiting on its slowest request.
-Every request asks for the same ``--max-tokens`` (``ignore_eos``) unless ``--length-spread`` s draws each
-from max-tokens x [1 - s, 1 + s], as a server's requests differ: equal lengths keep target-only's
-requests in lock-step (every step full, a wave's prompts prefilled in one step, no drain), which
-speculation's varying acceptance breaks. For each batch size every system is warmed up by one whole untimed run, then the repeats run
-round-robin with the order rotating, so a slow moment of the machine hits all systems alike.
+Every request asks for the same ``--max-tokens`` (``ignore_eos``) unless ``--length-spread`` s draws
+each from max-tokens x [1 - s, 1 + s], as a server's requests differ: equal lengths keep
+target-only's requests in lock-step (every step full, a wave's prompts prefilled in one step, no
+drain), which speculation's varying acceptance breaks. For each batch size every system is warmed
+up by one whole untimed run, then the repeats run round-robin with the order rotating, so a slow
+moment of the machine hits all systems alike.
 
 Per row: tokens/s (median, min-max); the ratio to vLLM colocated and to vLLM target-only;
 acceptance; tokens per step; the per-step split (verify, draft wait, link, specserve's own
