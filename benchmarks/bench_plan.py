@@ -41,7 +41,7 @@ def pair(name: str):
     elif name == "realistic":
         from specserve.demo_models.realistic import cached_pair
 
-        target, draft = (str(p) for p in cached_pair())
+        target, draft, _ = (str(p) for p in cached_pair())
     else:
         raise ValueError(f"unknown pair {name!r}: demo, realistic or sim")
     prompts, _ = heldout_prompts(target, 64, 32)
