@@ -85,7 +85,8 @@ def main(argv=None) -> int:
             profiled = {}
             if name == "sim":
                 profiled = {r["batch_size"]: r for r in plan.predict(SIM[0], SIM[1], "10gbe", SIM[2], batches, a.k, context=64,
-                                                                    time_scale=scale) if r["deployment"] == "remote, drafting ahead"}
+                                                                    time_scale=scale, prompt_tokens=len(prompts[0]), max_tokens=a.max_tokens)
+                            if r["deployment"] == "remote, drafting ahead"}
             with LLM(target, draft=draft, **kw) as llm:
                 for b in batches:
                     got = delivered(llm, prompts, b, a.max_tokens)

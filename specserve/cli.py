@@ -212,7 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--context", type=int, default=512, help="tokens per sequence the target attends to (default: 512)")
     plan.add_argument("--measure", action="store_true", help="run the real pair briefly on --prompts instead of profiles")
     plan.add_argument("--prompts", default=None, help="with --measure: JSONL of {'prompt': ...} lines (default: a few built in)")
-    plan.add_argument("--max-tokens", type=int, default=64, help="with --measure: tokens per request (default: 64)")
+    plan.add_argument("--max-tokens", type=int, default=64, help="tokens per request, over which each request's own costs "
+                      "(its prompt's prefill) are spread (default: 64)")
+    plan.add_argument("--prompt-tokens", type=int, default=0, help="from profiles: a prompt's length, whose prefill each "
+                      "request adds (default: 0, steady decoding alone; --measure reads its prompts)")
     plan.add_argument("--ray", action="store_true", help="with --measure: run the sides as Ray actors placed by label "
                       "(on the cluster --address / RAY_ADDRESS names), as they will be deployed")
     plan.add_argument("--address", default=None, help="with --measure --ray: the Ray cluster to join")
@@ -303,6 +306,8 @@ def cmd_plan(args) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if any(b < 1 for b in batch_sizes) or args.num_speculative_tokens < 1:
         raise ValueError(f"--batch-sizes and -k must be >= 1, got {args.batch_sizes!r} and {args.num_speculative_tokens}")
+    if args.max_tokens < 1 or args.prompt_tokens < 0:
+        raise ValueError(f"--max-tokens must be >= 1 and --prompt-tokens >= 0, got {args.max_tokens} and {args.prompt_tokens}")
     acceptances = args.acceptance or ["0.7"]
     if len(acceptances) not in (1, len(args.draft)):
         raise ValueError(f"give --acceptance once, or once per --draft ({len(args.draft)}), not {len(acceptances)} times")
@@ -316,7 +321,8 @@ def cmd_plan(args) -> int:
         else:
             acceptance = [float(a) for a in acceptances[i if len(acceptances) > 1 else 0].split(",")]
             got = plan.predict(args.target, draft, args.link, acceptance[0] if len(acceptance) == 1 else acceptance,
-                               batch_sizes, args.num_speculative_tokens, args.hit, args.context, args.step_overhead_ms / 1e3)
+                               batch_sizes, args.num_speculative_tokens, args.hit, args.context, args.step_overhead_ms / 1e3,
+                               prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
         print(plan.report(got, f"\n{args.target} + draft {draft}" + ("" if args.measure else f" over {args.link}")))
         rows += [{**r, "deployment": r["deployment"] if len(args.draft) == 1 or r["deployment"] == "target-only"
                   else f"{r['deployment']} ({draft})"} for r in got]

@@ -8,7 +8,9 @@ controller computes it (``SpeculationController.expected_tokens``). T comes from
   remote without drafting ahead (k draft forwards and a round trip per cycle); the draft remote and
   drafting ahead (its tree grown during the verify: a foreseen verdict costs only the round trip);
 - measured: a short run of the real pair on the user's prompts, after which the controller's fitted
-  cycle model and measured acceptance give every arm's rate (``predicted_tokens_per_s``).
+  cycle model and measured acceptance give every arm's rate (``predicted_tokens_per_s``), with each
+  request's own costs added from the same fit: its prompt's prefill and its departure, spread over
+  its tokens (the controller compares arms without them; a load pays them whatever the arm).
 
 The arm with the most tokens per second is the one the controller runs. Knows nothing of Ray.
 """
@@ -35,20 +37,23 @@ class Costs:
     draft_on_target: float  # the same on the target's device
     tree_depth: float  # one depth of the speculation tree (fanout rows per sequence)
     rtt: float  # the link's round trip for one step's message
+    prefill: float = 0.0  # what a prompt's prefill adds to the cycle it joins
 
 
 def profile_costs(target: str, draft: str, link: str, batch_size: int, k: int, context: int = 512, fanout: int = 4,
-                  overhead_s: float = 0.0, time_scale: float = 1.0) -> Costs:
+                  overhead_s: float = 0.0, time_scale: float = 1.0, prompt_tokens: int = 0) -> Costs:
     """``overhead_s``: the engine's own work per cycle (scheduling, sampling, output handling), on top of
-    the forwards; ``time_scale``: every modelled time multiplied by it, as the simulator's option."""
+    the forwards; ``time_scale``: every modelled time multiplied by it, as the simulator's option;
+    ``prompt_tokens``: a prompt's length, whose prefill joins a cycle (0: none)."""
     from .backends.sim_latency import load_link, load_profile
 
     t, d, ln = load_profile(target), load_profile(draft), load_link(link)
     on_target = load_profile({"model": _fields(d.model), "hardware": _fields(t.hardware)})
     rows, ctx, s = [1] * batch_size, [context] * batch_size, time_scale
     message = 256 + 16 * batch_size * (k + 2)  # token ids and a sequence's delta, both ways
+    prefill = s * (t.forward_s(rows + [prompt_tokens], ctx + [prompt_tokens]) - t.forward_s(rows, ctx)) if prompt_tokens else 0.0
     return Costs({j: s * t.forward_s([j + 1] * batch_size, ctx) + overhead_s for j in range(k + 1)}, s * d.forward_s(rows, ctx),
-                 s * on_target.forward_s(rows, ctx), s * d.forward_s([fanout] * batch_size, ctx), 2 * s * ln.one_way_s(message))
+                 s * on_target.forward_s(rows, ctx), s * d.forward_s([fanout] * batch_size, ctx), 2 * s * ln.one_way_s(message), prefill)
 
 
 def _fields(spec) -> dict:
@@ -79,8 +84,10 @@ def tree_depth(c: Costs, k: int) -> int:
 
 
 def predict(target: str, draft: str, link: str, acceptance: float | list[float], batch_sizes=(1, 8, 32), k: int = 4,
-            hit: float = 0.9, context: int = 512, overhead_s: float = 0.0, time_scale: float = 1.0) -> list[dict]:
-    """Per batch size and deployment: the best arm and its tokens/s (``rates``: every arm's), from profiles."""
+            hit: float = 0.9, context: int = 512, overhead_s: float = 0.0, time_scale: float = 1.0, prompt_tokens: int = 0,
+            max_tokens: int = 64) -> list[dict]:
+    """Per batch size and deployment: the best arm and its tokens/s (``rates``: every arm's), from profiles;
+    with ``prompt_tokens``, each request's prefill spread over its ``max_tokens``."""
     per_pos = [acceptance] * k if isinstance(acceptance, (int, float)) else list(acceptance)[:k]
     if len(per_pos) < k or not all(0.0 <= a <= 1.0 for a in per_pos):
         raise ValueError(f"acceptance must be a probability (or {k} of them, one per draft position), got {acceptance!r}")
@@ -88,7 +95,7 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
     ctrl.acceptance = per_pos
     rows = []
     for b in batch_sizes:
-        c = profile_costs(target, draft, link, b, k, context, overhead_s=overhead_s, time_scale=time_scale)
+        c = profile_costs(target, draft, link, b, k, context, overhead_s=overhead_s, time_scale=time_scale, prompt_tokens=prompt_tokens)
         depth = tree_depth(c, k)
         for asked in range(1, k + 1):
             ctrl.coverage[(round(math.log2(b)), asked)] = [hit if j < depth else 0.0 for j in range(asked)]
@@ -97,7 +104,7 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
             for arm in ctrl.arms(True):
                 seconds = cycle_seconds(c, deployment, arm, b, hit)
                 if seconds is not None:
-                    rates[arm] = b * ctrl.expected_tokens(arm.k, arm.cache_only, b) / seconds
+                    rates[arm] = 1.0 / (seconds / (b * ctrl.expected_tokens(arm.k, arm.cache_only, b)) + c.prefill / max_tokens)
             best = max(rates, key=rates.get)
             rows.append({"batch_size": b, "deployment": deployment, "arm": best, "tokens_per_s": rates[best], "rates": rates,
                          "target_only_tokens_per_s": rates[TARGET_ONLY], "tree_depth": depth, "rtt_ms": c.rtt * 1e3})
@@ -107,7 +114,8 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
 def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_tokens: int = 64, **llm_kwargs) -> list[dict]:
     """Per batch size (a power of two: the controller's buckets): run the pair on ``prompts`` (B in flight,
     greedy) with the adaptive default, then read the controller's predictions for every arm (its fitted
-    cycle model, its measured acceptance)."""
+    cycle model, its measured acceptance), each with the requests' own costs of this load added:
+    ``tokens_per_s`` is the load's rate, ``steady_tokens_per_s`` the cycles' alone."""
     if any(b < 1 or b & (b - 1) for b in batch_sizes):
         raise ValueError(f"measured batch sizes must be powers of two (the controller's buckets), got {list(batch_sizes)}")
     from .llm import LLM
@@ -118,15 +126,20 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
     with LLM(target, draft=draft, **llm_kwargs) as llm:
         for b in batch_sizes:
             load = [prompts[i % len(prompts)] for i in range(max(4 * b, 8))]  # enough cycles for a bucket's warm-up
-            llm.generate(load, params, use_tqdm=False, max_in_flight=b)
+            outs = llm.generate(load, params, use_tqdm=False, max_in_flight=b)
             spec = llm.metrics().get("speculation") or {}
-            rates = {_arm(key.split("/")[1]): rate for key, rate in (spec.get("predicted_tokens_per_s") or {}).items()
-                     if key.split("/")[0] == str(b)}
-            if not rates:
+            steady = {_arm(key.split("/")[1]): rate for key, rate in (spec.get("predicted_tokens_per_s") or {}).items()
+                      if key.split("/")[0] == str(b)}
+            if not steady:
                 raise ValueError(f"batch {b}: the controller measured no cycles (is the draft connected? k > 0?)")
+            line = (spec.get("cycle_model") or {}).get(str(b)) or [0.0] * 7  # [..., per prompt token, per departure]
+            prompt = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
+            per_token = (max(0.0, line[5]) * prompt + max(0.0, line[6])) / max_tokens  # seconds a request adds per token
+            rates = {arm: 1.0 / (1.0 / rate + per_token) for arm, rate in steady.items()}
             best = max(rates, key=rates.get)
             rows.append({"batch_size": b, "deployment": "measured", "arm": best, "tokens_per_s": rates[best],
-                         "target_only_tokens_per_s": rates.get(TARGET_ONLY, 0.0), "acceptance_per_pos": spec.get("acceptance_per_pos")})
+                         "steady_tokens_per_s": steady[best], "target_only_tokens_per_s": rates.get(TARGET_ONLY, 0.0),
+                         "acceptance_per_pos": spec.get("acceptance_per_pos")})
     return rows
 
 
