@@ -115,7 +115,8 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
     """Per batch size (a power of two: the controller's buckets): run the pair on ``prompts`` (B in flight,
     greedy) with the adaptive default, then read the controller's predictions for every arm (its fitted
     cycle model, its measured acceptance), each with the requests' own costs of this load added:
-    ``tokens_per_s`` is the load's rate, ``steady_tokens_per_s`` the cycles' alone."""
+    ``tokens_per_s`` is the load's rate of the arm the controller settled on, ``steady_tokens_per_s``
+    its cycles' alone."""
     if any(b < 1 or b & (b - 1) for b in batch_sizes):
         raise ValueError(f"measured batch sizes must be powers of two (the controller's buckets), got {list(batch_sizes)}")
     from .llm import LLM
@@ -136,7 +137,10 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
             prompt = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
             per_token = (max(0.0, line[5]) * prompt + max(0.0, line[6])) / max_tokens  # seconds a request adds per token
             rates = {arm: 1.0 / (1.0 / rate + per_token) for arm, rate in steady.items()}
-            best = max(rates, key=rates.get)
+            # The arm the controller runs, not the best prediction: an arm measured for a few cycles only
+            # is as likely over- as under-predicted, and the largest of many such predictions is too high.
+            chosen = (spec.get("arm_by_bucket") or {}).get(str(b))
+            best = _arm(chosen) if chosen is not None and _arm(chosen) in rates else max(rates, key=rates.get)
             rows.append({"batch_size": b, "deployment": "measured", "arm": best, "tokens_per_s": rates[best],
                          "steady_tokens_per_s": steady[best], "target_only_tokens_per_s": rates.get(TARGET_ONLY, 0.0),
                          "acceptance_per_pos": spec.get("acceptance_per_pos")})
