@@ -6,7 +6,7 @@ for the ``sim`` pair only), then a run of the system with its defaults on the sa
 requests in flight, after one untimed run of the same load, in the two-device harness (each Ray node
 on cores of its own). Prints predicted and delivered tokens/s and their ratio; greedy outputs.
 
-    python -m benchmarks.bench_plan --pairs realistic,sim --batch-sizes 1,8      # ~10 min on 2 cores
+    python -m benchmarks.bench_plan --pairs realistic,sim,demo --batch-sizes 1,8  # ~10 min on 2 cores
 """
 
 from __future__ import annotations

@@ -71,12 +71,28 @@ def test_the_command_prints_each_deployment_and_a_recommendation():
     assert "batch 1: disaggregate" in out.stdout
 
 
+def test_a_loads_prompts_cost_every_arm_the_same_time_per_token():
+    """A request's prefill is paid whatever the arm: spread over its tokens, the same seconds per token
+    added to every arm's rate, and none at all without a prompt."""
+    from specserve import plan
+
+    steady = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4)
+    assert plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, prompt_tokens=0, max_tokens=16) == steady
+    loaded = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, prompt_tokens=1024, max_tokens=64)
+    for s, l in zip(steady, loaded):
+        prefill = plan.profile_costs(TARGET, DRAFT, "10gbe", s["batch_size"], 4, prompt_tokens=1024).prefill
+        assert prefill > 0
+        for arm, rate in s["rates"].items():
+            assert 1 / l["rates"][arm] - 1 / rate == pytest.approx(prefill / 64, rel=1e-6)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--target", "no-such-profile", "--draft", DRAFT], "unknown sim profile 'no-such-profile'"),
     (["--target", TARGET, "--draft", DRAFT, "--acceptance", "1.5"], "acceptance must be a probability"),
     (["--target", TARGET, "--draft", DRAFT, "--draft", DRAFT, "--acceptance", "0.5", "--acceptance", "0.6", "--acceptance", "0.7"],
      "give --acceptance once, or once per --draft"),
     (["--target", TARGET, "--draft", DRAFT, "--batch-sizes", "0"], "--batch-sizes and -k must be >= 1"),
+    (["--target", TARGET, "--draft", DRAFT, "--max-tokens", "0"], "--max-tokens must be >= 1 and --prompt-tokens >= 0"),
 ])
 def test_bad_input_is_one_line_naming_it(args, message):
     out = subprocess.run([sys.executable, "-m", "specserve.cli", "plan", *args], capture_output=True, text=True)
