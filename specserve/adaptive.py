@@ -22,7 +22,7 @@ whenever target-only has it. The rules:
   time an exploration leaves the choice as it was) a bucket runs for ``PROBE`` cycles the arm whose
   predicted rate plus ``OPTIMISM`` standard errors is best, if that beats its own by the hysteresis;
   every ``EXPLORE_MAX`` choices, the least recently measured neighbour (k +- 1, the other mode,
-  target-only) whatever its prediction, so a stale fit cannot hide one.
+  target-only; k = 1 from target-only) whatever its prediction, so a stale fit cannot hide one.
 - Budget: an exploration's predicted cost (the tokens it delivers fewer than the running arm would)
   is spread over enough choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: the arm changes only for a predicted gain over ``HYSTERESIS``; from target-only, also

@@ -5,8 +5,9 @@ drafts, the link, scheduling and output handling. Its seconds are modelled as a 
 
     x = [1, B, B*k, speculating, drafting misses * k, prompt tokens prefilled, sequences that left]
 
-(B sequences, k draft tokens each) plus each arm's own mean residual, shrunk toward the line, fitted
-by least squares to the last ``WINDOW`` measured cycles of every arm. Every batch-size bucket (1, 2,
+(B sequences, k draft tokens each) plus each arm's own mean residual over its steady cycles in the
+bucket itself, shrunk toward the line, fitted by least squares to the last ``WINDOW`` measured cycles
+of every arm. Every batch-size bucket (1, 2,
 4, ...) keeps its own fit, to which a cycle contributes with a weight that falls with its distance in
 octaves of batch size, so a bucket that has never run borrows from its neighbours. An arm not run
 keeps its window: what it cost is known until it is measured again. Pure numpy; knows nothing of
@@ -76,7 +77,9 @@ class _Fit:
     def add(self, arm: tuple | None, x: np.ndarray, xx: np.ndarray | None, seconds: float, w: float) -> None:
         """A row of weight ``w`` (negative: taken out); ``xx`` None: only its seconds change by ``seconds``;
         ``arm`` None: a row of the line alone, not of any arm's own residual."""
-        a = self.arms.setdefault(arm, [np.zeros(NUM_FEATURES), 0.0, 0.0]) if arm is not None else None
+        a = None if arm is None else self.arms.get(arm)
+        if a is None and arm is not None:
+            a = self.arms[arm] = [np.zeros(NUM_FEATURES), 0.0, 0.0]
         if xx is not None:
             self.xx += w * xx
             self.weight += w

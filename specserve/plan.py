@@ -12,7 +12,9 @@ controller computes it (``SpeculationController.expected_tokens``). T comes from
   request's own costs added from the same fit: its prompt's prefill and its departure, spread over
   its tokens (the controller compares arms without them; a load pays them whatever the arm).
 
-The arm with the most tokens per second is the one the controller runs. Knows nothing of Ray.
+The arm with the most tokens per second is the one the controller runs (measured: the one it settled
+on). Both give a load's rate (``load_rate``): each request's own costs spread over its tokens. Knows
+nothing of Ray.
 """
 
 from __future__ import annotations
@@ -104,11 +106,17 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
             for arm in ctrl.arms(True):
                 seconds = cycle_seconds(c, deployment, arm, b, hit)
                 if seconds is not None:
-                    rates[arm] = 1.0 / (seconds / (b * ctrl.expected_tokens(arm.k, arm.cache_only, b)) + c.prefill / max_tokens)
+                    rates[arm] = load_rate(b * ctrl.expected_tokens(arm.k, arm.cache_only, b) / seconds, c.prefill, max_tokens)
             best = max(rates, key=rates.get)
             rows.append({"batch_size": b, "deployment": deployment, "arm": best, "tokens_per_s": rates[best], "rates": rates,
                          "target_only_tokens_per_s": rates[TARGET_ONLY], "tree_depth": depth, "rtt_ms": c.rtt * 1e3})
     return rows
+
+
+def load_rate(steady_tokens_per_s: float, request_s: float, max_tokens: int) -> float:
+    """Tokens/s of a load whose requests each add ``request_s`` (a prompt's prefill, a departure) to the
+    cycles' ``steady_tokens_per_s``, whatever the arm, spread over their ``max_tokens``."""
+    return 1.0 / (1.0 / steady_tokens_per_s + request_s / max_tokens)
 
 
 def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_tokens: int = 64, **llm_kwargs) -> list[dict]:
@@ -135,8 +143,8 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
                 raise ValueError(f"batch {b}: the controller measured no cycles (is the draft connected? k > 0?)")
             line = (spec.get("cycle_model") or {}).get(str(b)) or [0.0] * 7  # [..., per prompt token, per departure]
             prompt = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
-            per_token = (max(0.0, line[5]) * prompt + max(0.0, line[6])) / max_tokens  # seconds a request adds per token
-            rates = {arm: 1.0 / (1.0 / rate + per_token) for arm, rate in steady.items()}
+            request_s = max(0.0, line[5]) * prompt + max(0.0, line[6])
+            rates = {arm: load_rate(rate, request_s, max_tokens) for arm, rate in steady.items()}
             # The arm the controller runs, not the best prediction: an arm measured for a few cycles only
             # is as likely over- as under-predicted, and the largest of many such predictions is too high.
             chosen = (spec.get("arm_by_bucket") or {}).get(str(b))

@@ -284,7 +284,6 @@ def test_a_draining_batch_does_not_stand_for_a_steady_one():
     assert arms == [TARGET_ONLY] * RUN
 
 
-
 def test_an_arms_own_residual_is_of_its_steady_cycles_at_its_own_batch_size():
     """The line's terms for prompts and departures are shared by every arm, but what a departure costs
     need not be (the output handling of a verify differs from a plain step's): an arm's own residual is
