@@ -263,7 +263,7 @@ class SpeculationController:
         _count(self.acceptance, self._acceptance_n, min(num_accepted + 1, num_draft_tokens), num_accepted)
 
     def observe_coverage(self, num_asked: int, num_got: int, batch_size: int = 1) -> None:
-        """A cache-only block: ``num_got`` of the ``num_asked`` draft tokens were in the cache."""
+        """A block: its first ``num_got`` of the ``num_asked`` draft tokens were in the cache (either mode)."""
         if self.trace is not None:
             self.trace.append(("coverage", num_asked, num_got, batch_size))
         if num_asked > 0:

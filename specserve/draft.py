@@ -86,7 +86,7 @@ class DraftSeq:
 class Proposal:
     token_ids: list[int]  # [num_draft]
     probs: np.ndarray | None = None  # [num_draft, vocab] float32, or None for a point mass
-    cache_hit: bool = False
+    num_cached: int = 0  # the first this many came from the speculation cache
 
 
 class Drafter(Protocol):
@@ -231,7 +231,7 @@ class DraftSide:
         told = [r.request_id for r in req.results] + [o.request_id for o in req.opens]
         self._behind = [self.seqs[rid] for rid in dict.fromkeys(told) if rid in self.seqs and rid not in asked]
         proposals = self.drafter.propose(seqs, ks, req.draft_misses)
-        blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.cache_hit) for s, p in zip(seqs, proposals)]
+        blocks = [DraftBlock(s.request_id, len(s.token_ids), p.token_ids, p.probs, p.num_cached) for s, p in zip(seqs, proposals)]
         # Asked-for sequences get drafted ahead, an empty block too (a cache-only miss): its next
         # verdict is the target's own next token, which the tree can foresee.
         self._proposed = [s for s, p in zip(seqs, proposals) if p.token_ids or s.num_asked]
@@ -243,7 +243,7 @@ class DraftSide:
         self._proposed += self._first_blocks(req, asked, k or self._recent_k)
         self._tree_seqs = list(self._proposed) if req.tree else []
         step = self.drafter.step_time(max(1, len(seqs)))
-        hidden = sum(len(p.token_ids) for p in proposals if p.cache_hit) * step
+        hidden = sum(p.num_cached for p in proposals) * step
         stats = DraftStats(compute_s=time.perf_counter() - start, forward_s=self.drafter.forward_s,
                            num_forwards=self.drafter.num_forwards, hidden_s=hidden, draft_step_s=step)
         return ProposeReply(req.step, blocks, missing, stats, refused)

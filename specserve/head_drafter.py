@@ -114,7 +114,7 @@ class HeadDrafter(ModelDrafter):
             if k and len(s.token_ids) >= 2 and (len(prefix) >= k or not draft_misses):
                 s.block = list(prefix)  # from the cache (maybe empty): the glue feeds the real rows later
                 self._glue_in[s.key] = (False, list(branch.rows[:len(prefix)]) if branch is not None else [])
-                out[i] = self._proposal(s, cache_hit=bool(prefix))
+                out[i] = self._proposal(s, num_cached=len(prefix))
             elif k and len(s.token_ids) >= 2:  # (one token: no target row to read yet)
                 work.append((i, k, prefix, list(branch.rows[:len(prefix)]) if branch is not None else []))
             else:
@@ -123,7 +123,7 @@ class HeadDrafter(ModelDrafter):
             self._draft([seqs[i] for i, _, _, _ in work], [k for _, k, _, _ in work], [p for _, _, p, _ in work],
                         [r for _, _, _, r in work])
             for i, _, prefix, _ in work:
-                out[i] = self._proposal(seqs[i], cache_hit=bool(prefix))
+                out[i] = self._proposal(seqs[i], num_cached=len(prefix))
         return out  # type: ignore[return-value]
 
     def _draft(self, group: list[DraftSeq], ks: list[int], prefixes: list[list[int]], prefix_rows: list[list[torch.Tensor]]):

@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION = 7  # 7: ProposeRequest.acceptance; 6: ProposeRequest.tree, DraftTree; 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
+PROTOCOL_VERSION = 8  # 8: DraftBlock.num_cached; 7: ProposeRequest.acceptance; 6: ProposeRequest.tree, DraftTree; 5: OpenSeq.processing; 4: hidden_states (EAGLE heads); 3: draft_misses, budget_s, Challenge, proofs, refused
 
 
 MAX_DRAFT_TOKENS = 64  # drafts one block (or one tree branch) may carry
@@ -181,7 +181,17 @@ class DraftBlock:
     # [num_draft_tokens, vocab] float32, or None: a point mass. numpy from the wire; a torch tensor
     # (possibly on the GPU) when a tensor link carried it beside the message.
     draft_probs: np.ndarray | None = None
-    cache_hit: bool = False  # answered from the speculation cache (no drafting on the critical path)
+    # the first this many drafts came from the speculation cache: what it covered, whether or not the
+    # rest was drafted on the critical path (the controller's coverage is measured in both modes)
+    num_cached: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_cached <= len(self.draft_token_ids):
+            raise ValueError(f"num_cached must be in [0, {len(self.draft_token_ids)}], got {self.num_cached}")
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.num_cached > 0
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class ModelDrafter:
                 s.block_probs = list(branch.probs[: len(prefix)])
             if k and (len(prefix) >= k or not draft_misses):
                 s.block = prefix
-                out[i] = self._proposal(s, cache_hit=bool(prefix))
+                out[i] = self._proposal(s, num_cached=len(prefix))
             elif k:
                 work.append((i, prefix, k))
             else:
@@ -224,7 +224,7 @@ class ModelDrafter:
         if work:
             self._draft([seqs[i] for i, _, _ in work], [p for _, p, _ in work], [k for _, _, k in work])
             for i, prefix, _ in work:
-                out[i] = self._proposal(seqs[i], cache_hit=bool(prefix))
+                out[i] = self._proposal(seqs[i], num_cached=len(prefix))
         return out  # type: ignore[return-value]
 
     def _lookup(self, s: DraftSeq) -> Branch | None:
@@ -233,9 +233,9 @@ class ModelDrafter:
         base, accepted, token = s.verdict
         return s.cache.get((accepted, token)) if base == s.block_base else None
 
-    def _proposal(self, s: DraftSeq, cache_hit: bool) -> Proposal:
+    def _proposal(self, s: DraftSeq, num_cached: int) -> Proposal:
         probs = np.stack(s.block_probs) if s.block_probs and not s.greedy and self.send_probs else None
-        return Proposal(list(s.block), probs, cache_hit)
+        return Proposal(list(s.block), probs, num_cached)
 
     def _draft(self, seqs: list[DraftSeq], prefixes: list[list[int]], ks: list[int]) -> None:
         """Draft until each sequence's block holds k tokens, starting from ``prefix`` (a partial hit)."""

@@ -425,7 +425,7 @@ class DraftPool:
             if draft_misses and len(tokens) < k:
                 return None
             if tokens:
-                block, why = check_block(DraftBlock(rid, r.committed_len, tokens, None, True), k, self.committed.get(rid),
+                block, why = check_block(DraftBlock(rid, r.committed_len, tokens, None, len(tokens)), k, self.committed.get(rid),
                                          self.vocab_size or 1 << 62)
                 if block is None or why is not None:
                     self._rejected(d, f"a tree with {why}")

@@ -72,4 +72,5 @@ def check_block(block: DraftBlock, num_asked: int, base_len: int | None, vocab_s
             probs = probs[: len(tokens)]
     if why is None:
         return block, None
-    return dataclasses.replace(block, draft_token_ids=tokens, draft_probs=probs if tokens else None), why
+    return dataclasses.replace(block, draft_token_ids=tokens, draft_probs=probs if tokens else None,
+                               num_cached=min(block.num_cached, len(tokens))), why

@@ -27,19 +27,22 @@ class StepRecord:
 
 def warm_rows(previous: dict | None, asked: dict) -> frozenset:
     """The sequences asked now that were asked last time for at least as many tokens (the drafts then
-    drafted ahead for them): only their cache-only blocks say what the cache covers. Per sequence, not
-    per step: under sustained load nearly every step also asks a sequence new to speculation."""
+    drafted ahead for them): only their blocks say what the cache covers. Per sequence, not per step:
+    under sustained load nearly every step also asks a sequence new to speculation."""
     return frozenset(rid for rid, k in asked.items() if previous and previous.get(rid, 0) >= k)
 
 
 def observe(controller: SpeculationController, record: StepRecord) -> None:
     o = record.outcome
-    if o is not None and record.cache_only:
+    if o is not None:
+        # A block says how much of it the cache held in either mode: the draft looks there first, and
+        # drafts ahead in the same time (the verify and the link) whether or not it drafts the misses,
+        # so a cache-only arm's coverage stays measured while a drafting arm runs.
         for rid, k in record.asked.items():
             block = o.blocks.get(rid)
             # (no block: that draft failed or lost the sequence, which says nothing of its cache)
             if block is not None and rid in record.warm:
-                controller.observe_coverage(k, len(block.draft_token_ids), record.batch_size)
+                controller.observe_coverage(k, block.num_cached, record.batch_size)
     if o is None:
         controller.observe_step(record.batch_size, record.tokens_per_row, record.target_s)
     else:

@@ -12,7 +12,7 @@ import pytest
 
 from specserve.adaptive import (DECIDE_EVERY, EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
                                 replay)
-from specserve.cycle_model import CycleModel
+from specserve.cycle_model import CycleModel, bucket_of
 
 
 class Pair:
@@ -243,21 +243,28 @@ def test_the_cycle_model_recovers_a_line_and_lends_it_to_neighbouring_batch_size
     assert model.seconds(1024, (1, False)) is None  # nothing measured within two octaves
 
 
-def test_coverage_is_learned_from_the_warm_rows_of_a_step_that_also_asks_a_new_sequence():
+@pytest.mark.parametrize("cache_only", [True, False])
+def test_coverage_is_learned_from_the_warm_rows_of_a_step_that_also_asks_a_new_sequence(cache_only):
     """Under sustained load nearly every step asks some sequence for the first time; the blocks of the
-    sequences asked before still say what the cache covers, the new sequence's do not."""
+    sequences asked before still say what the cache covers, the new sequence's do not. Drafting
+    misses, a block still says how much of it the cache held, so a cache-only arm stays measured
+    while a drafting one runs."""
     from types import SimpleNamespace
 
+    from specserve.messages import DraftBlock
     from specserve.step_plan import StepRecord, observe, warm_rows
 
     ctrl = SpeculationController(max_k=3)
     previous, asked = {"a": 3, "b": 3}, {"a": 3, "c": 3}
-    blocks = {"a": SimpleNamespace(draft_token_ids=[1, 2, 3]), "c": SimpleNamespace(draft_token_ids=[])}
+    cached = 3 if cache_only else 1
+    blocks = {"a": DraftBlock("a", 5, [1, 2, 3][:cached] if cache_only else [1, 2, 3], num_cached=cached),
+              "c": DraftBlock("c", 5, [] if cache_only else [4, 5, 6])}
     outcome = SimpleNamespace(blocks=blocks, wait_s=0.0, compute_s=0.0, queue_s=0.0, draft_step_s=0.0)
     for _ in range(50):
-        observe(ctrl, StepRecord(2, 4, 0.01, outcome, 1, 1, asked, cache_only=True, warm=warm_rows(previous, asked)))
+        observe(ctrl, StepRecord(2, 4, 0.01, outcome, 2, 1, asked, cache_only=cache_only, warm=warm_rows(previous, asked)))
     assert warm_rows(previous, asked) == {"a"} and warm_rows(None, asked) == frozenset()
-    assert ctrl.expected_tokens(3, True, 2) == pytest.approx(ctrl.expected_tokens(3, False, 2), rel=0.03)  # a's full blocks only
+    expected = [1.0, 1.0, 1.0] if cache_only else [1.0, 0.0, 0.0]  # a's blocks only
+    assert ctrl.coverage[(bucket_of(2), 3)] == pytest.approx(expected, abs=0.02)
 
 
 def test_target_only_is_left_only_for_a_gain_the_fit_can_tell_from_its_noise():

@@ -15,7 +15,7 @@ from specserve.rng import MAX_SEED
 OPEN = OpenSeq("r1", [1, 2, 3], temperature=0.7, top_k=5, top_p=0.9, seed=MAX_SEED)
 RESULT = VerifyResult("r1", base_len=10, num_accepted=2, token_ids=[4, 5, 6])
 CLOSE = CloseSeq("r2")
-BLOCK = DraftBlock("r1", base_len=13, draft_token_ids=[7, 8], draft_probs=np.random.rand(2, 11).astype(np.float32), cache_hit=True)
+BLOCK = DraftBlock("r1", base_len=13, draft_token_ids=[7, 8], draft_probs=np.random.rand(2, 11).astype(np.float32), num_cached=2)
 
 
 @pytest.mark.parametrize("msg", [
@@ -58,6 +58,8 @@ def test_verify_results_are_kv_deltas_that_coalesce():
     (msgpack.packb({"v": PROTOCOL_VERSION, "type": "ProposeRequest", "body": {"step": 1, "request_ids": ["a"]}}), "num_draft_tokens"),
     (msgpack.packb({"v": PROTOCOL_VERSION, "type": "DraftBlock", "body": {"request_id": "a", "base_len": 1, "draft_token_ids": [],
                     "draft_probs": {"dtype": "O", "shape": [1], "data": b"x"}}}), "draft_probs"),
+    (msgpack.packb({"v": PROTOCOL_VERSION, "type": "DraftBlock", "body": {"request_id": "a", "base_len": 1, "draft_token_ids": [5],
+                    "num_cached": 2}}), "num_cached must be in"),
     ("not bytes", "must be bytes"),
 ])
 def test_bad_bytes(data, match):
