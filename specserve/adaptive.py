@@ -7,26 +7,21 @@ cycle of T seconds: E = 1 + sum over j <= k of a_1 ... a_j x c_j (a_i the per-po
 the cache's coverage per bucket and k, 1 when misses are drafted); T is the cycle model's prediction
 (``cycle_model.py``: a line fitted to measured whole cycles, shared across batch sizes, plus each
 arm's own mean residual). Each step runs the arm with the most predicted tokens per second; k = 0
-whenever target-only has it. The rules:
+whenever target-only has it. The rules (``docs/controller.md`` says why each is there):
 
-- Warm-up: a bucket with no measured cycle near it runs k = max (both modes), k = max / 2 and then
-  target-only for ``RUN`` cycles each, so the line has its slope and intercept; one that borrows its
-  neighbours' fit runs target-only alone (unless it measured steady cycles of it), the baseline every
-  arm must beat (a step need not be a line in B: engines pad batches to sizes they compiled).
-  Target-only runs last: a bucket's first cycles are cold and would make the baseline look slow.
-- Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle; the first pay for the
-  switch (a cold speculation cache, the engine's shapes), which a steady choice does not.
-- Outliers: a steady cycle over its arm's median + ``cycle_model.OUTLIER`` median absolute deviations
-  counts as that much: a stall hits whichever arm runs, and would count against the one measured most.
-- Exploration: every ``interval`` choices (from ``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` each
-  time an exploration leaves the choice as it was) a bucket runs for ``PROBE`` cycles the arm whose
-  predicted rate plus ``OPTIMISM`` standard errors is best, if that beats its own by the hysteresis;
-  every ``EXPLORE_MAX`` choices, the least recently measured neighbour (k +- 1, the other mode,
-  target-only; k = 1 from target-only) whatever its prediction, so a stale fit cannot hide one.
-- Budget: an exploration's predicted cost (the tokens it delivers fewer than the running arm would)
-  is spread over enough choices to stay within ``EXPLORE_BUDGET`` of them.
-- Hysteresis: the arm changes only for a predicted gain over ``HYSTERESIS``; from target-only, also
-  over ``SWITCH_Z`` standard errors of the difference between the two predictions.
+- Warm-up: a bucket no measured cycle informs runs k = max (both modes), k = max / 2 and target-only
+  (last: a bucket's first cycles are cold) for ``RUN`` cycles each; one its neighbours' fit informs
+  runs target-only alone unless it measured steady cycles of it: the baseline need not be on the line.
+- Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle (the first pay for the switch).
+- Outliers: a steady cycle counts at most its arm's median + ``cycle_model.OUTLIER`` MADs.
+- Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
+  explorations change nothing) the arm best by its prediction plus ``OPTIMISM`` standard errors runs
+  ``PROBE`` cycles if that could change the choice; every ``EXPLORE_MAX`` choices the least recently
+  measured neighbour (k +- 1, the other mode, target-only; k = 1 from target-only) runs regardless.
+- Budget: an exploration's predicted cost (tokens fewer than the running arm's) is spread over enough
+  choices to stay within ``EXPLORE_BUDGET`` of them.
+- Hysteresis: a switch needs a predicted gain over ``HYSTERESIS``, and from target-only also over
+  ``SWITCH_Z`` standard errors of the two predictions' difference.
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
@@ -203,9 +198,8 @@ class SpeculationController:
         if ended:  # explore less often once the arm explored could not change the choice
             if best == st.current and optimistic.get(st.explored, 0.0) <= mine * (1 + HYSTERESIS):
                 st.interval = min(2 * st.interval, EXPLORE_MAX)
-            st.explored, st.next_explore = None, st.choices + st.interval
-            if st.choices < st.next_explore:
-                return
+            st.explored, st.next_explore = None, st.choices + st.interval  # (an interval is at least EXPLORE_MIN)
+            return
         forced = st.choices >= st.next_forced
         if forced:  # the least recently measured neighbour, whatever its prediction
             k, mode = st.current
@@ -316,12 +310,10 @@ class SpeculationController:
     def predict(self, batch_size: int, cache: bool = True) -> list[dict]:
         """Per arm: expected tokens per sequence, predicted seconds per cycle, tokens/s, speed-up over k = 0."""
         rates = self.rates(batch_size, cache)
-        rows, base = [], rates.get(TARGET_ONLY)
-        for a in self.arms(cache):
-            seconds, r = self.model.seconds(batch_size, a), rates.get(a)
-            rows.append({"k": a.k, "cache_only": a.cache_only, "expected_tokens": self.expected_tokens(a.k, a.cache_only, batch_size),
-                         "step_s": seconds, "tokens_per_s": r, "speedup": r / base if r and base else None})
-        return rows
+        base = rates.get(TARGET_ONLY)
+        return [{"k": a.k, "cache_only": a.cache_only, "expected_tokens": self.expected_tokens(a.k, a.cache_only, batch_size),
+                 "step_s": self.model.seconds(batch_size, a), "tokens_per_s": rates.get(a),
+                 "speedup": rates[a] / base if a in rates and base else None} for a in self.arms(cache)]
 
     def state(self) -> dict:
         arms = {str(1 << b): f"{st.current.k}{'c' if st.current.cache_only else ''}"

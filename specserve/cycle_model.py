@@ -189,15 +189,6 @@ class CycleModel:
         fit = self._fit(batch_size)
         return 0.2 if fit is None or fit.sqw < 4 else math.sqrt(fit.sq / fit.sqw)
 
-    def uncertainty(self, batch_size: int, arm: tuple) -> float:
-        """Relative standard error of ``seconds``' prediction (large where no cycle informs it)."""
-        fit = self._fit(batch_size)
-        if fit is None:
-            return float("inf")
-        fit.solve()
-        x = features(batch_size, arm[0], arm[1])
-        return self.noise(batch_size) * math.sqrt(max(0.0, float(x @ fit.inv @ x)))
-
     def coefficients(self, batch_size: int) -> list[float] | None:
         fit = self._fit(batch_size)
         return None if fit is None else [float(t) for t in fit.solve()]

@@ -379,10 +379,6 @@ class TargetWorker:
     def num_seqs(self) -> int:
         return self.loop.core.num_running + len(self.loop.core.waiting)
 
-    def predict(self, batch_size: int) -> list[dict]:
-        """The speculation-length controller's predicted table for this batch size (benchmarks print it)."""
-        return self.loop.core.controller.predict(batch_size)
-
     def __del__(self):
         """Serve's graceful stop (scale-down, rolling update, app deleted) ends here, after its drain, which
         sees only requests that came through the Serve handle. Routers stream from a target they pick in
