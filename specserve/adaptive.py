@@ -9,9 +9,10 @@ the cache's coverage per bucket and k, 1 when misses are drafted); T is the cycl
 arm's own mean residual). Each step runs the arm with the most predicted tokens per second; k = 0
 whenever target-only has it. The rules (``docs/controller.md`` says why each is there):
 
-- Warm-up: a bucket no measured cycle informs runs k = max (both modes), k = max / 2 and target-only
-  (last: a bucket's first cycles are cold) for ``RUN`` cycles each; one its neighbours' fit informs
-  runs target-only alone unless it measured steady cycles of it: the baseline need not be on the line.
+- Warm-up: a bucket runs k = max (both modes), k = max / 2 and target-only (last: a bucket's first
+  cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those its neighbours'
+  fit does not know (``UNKNOWN``), and target-only unless it measured steady cycles of it.
+- Switching: to the best arm of those that clear their own hysteresis (below).
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle (the first pay for the switch).
 - Outliers: a steady cycle counts at most its arm's median + ``cycle_model.OUTLIER`` MADs.
 - Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
@@ -58,6 +59,7 @@ EXPLORE_BUDGET = 0.01  # the share of a bucket's cycles its explorations may cos
 OPTIMISM = 2.0
 HYSTERESIS = 0.02
 SWITCH_Z = 1.0
+UNKNOWN = 1.0  # a prediction whose standard error is this share of itself or more: the fit does not know that arm
 DECIDE_EVERY = 4  # choices between two looks at the predictions (they move slowly; a look costs ~50 us)
 PUSH_EVERY = 4
 OBSERVATIONS = 500  # a position's acceptance and coverage: the mean of the first this many draws, an EMA after
@@ -165,9 +167,10 @@ class SpeculationController:
             return Arm(self.max_k, self.fixed_cache_only and cache)
         st = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         st.choices += 1
-        if st.current is None:  # the warm-up; of target-only alone where neighbours' cycles inform the fit
-            known, k = self.model.known(batch_size), self.max_k
-            warmup = [] if known else [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1)
+        if st.current is None:  # the warm-up; where neighbours' cycles inform the fit, of what they do not
+            k, known = self.max_k, self._predictions(batch_size, cache)
+            warmup = [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1)
+            warmup = [a for a in warmup if known.get(a, (0, UNKNOWN))[1] >= UNKNOWN]
             warmup += [] if known and self.model.measured(batch_size, TARGET_ONLY) >= RUN - SETTLE else [TARGET_ONLY]
             st.current, st.queued = TARGET_ONLY, [a for a in warmup for _ in range(RUN)]
         if not st.queued:
@@ -190,8 +193,11 @@ class SpeculationController:
         allowed = {a: r for a, r in rates.items() if cache or not a.cache_only}
         best = max(allowed, key=allowed.get)
         mine = rates.get(st.current)
-        if best != st.current and (mine is None or allowed[best] > mine * (1 + self._hysteresis(predicted, best, st.current))):
-            st.current, mine, st.interval = best, allowed[best], EXPLORE_MIN
+        # the best of the arms that clear their own hysteresis: one the fit knows little of must not block one it knows
+        clear = [a for a in allowed if a != st.current and (mine is None or allowed[a] > mine * (1 + self._hysteresis(predicted, a, st.current)))]
+        if clear:
+            st.current = max(clear, key=allowed.get)
+            mine, st.interval = allowed[st.current], EXPLORE_MIN
         if not (ended or due):
             return
         optimistic = {a: r for a, r in self.rates(batch_size, cache, OPTIMISM).items() if a != st.current}

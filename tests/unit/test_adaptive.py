@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from specserve.adaptive import (DECIDE_EVERY, EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
+from specserve.adaptive import (DECIDE_EVERY, _Bucket, EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
                                 replay)
 from specserve.cycle_model import CycleModel, bucket_of
 
@@ -155,7 +155,7 @@ def test_draining_batches_are_cycles_of_their_own_batch_size():
     """Cycles of a batch that shrinks as requests finish are modelled at their own size, not their bucket's."""
     pair = Pair(0.7, costs(0.004, 0.0003, 0.001, 0.002, per_seq=0.0008))
     ctrl = SpeculationController(max_k=4)
-    arms = run(ctrl, lambda step: 8 - step % 4, pair, 800)  # batches 8, 7, 6, 5, 8, ...
+    arms = run(ctrl, lambda step: 8 - step // 4 % 4, pair, 800)  # batches 8, 8, 8, 8, 7, ..., 5, 8, ...
     for b in (5, 8):
         predicted = ctrl.model.seconds(b, arms[-1])
         assert abs(predicted - pair.seconds(arms[-1], b)) < 0.1 * pair.seconds(arms[-1], b)
@@ -281,14 +281,38 @@ def test_target_only_is_left_only_for_a_gain_the_fit_can_tell_from_its_noise():
 
 def test_a_draining_batch_does_not_stand_for_a_steady_one():
     """Target-only cycles a bucket saw only while a larger batch drained (each after a departure) do not
-    count as its measurement of target-only: it still runs target-only itself before it speculates."""
+    count as its measurement of target-only: its warm-up still runs target-only itself."""
     pair = Pair(0.8, costs(0.02, 0.0001, 0.001, 0.002, per_seq=0.0002))
     ctrl = SpeculationController(max_k=4)
     run(ctrl, 16, pair, 300)
     for _ in range(2 * RUN):  # a drain through batch 8: target-only, a sequence leaving before every cycle
         ctrl.observe_cycle(8, 8, 2 * pair.seconds(TARGET_ONLY, 8), TARGET_ONLY, left=1)
-    arms = run(ctrl, 8, pair, RUN, seed=3)
-    assert arms == [TARGET_ONLY] * RUN
+    arms = run(ctrl, 8, pair, 1, seed=3)
+    assert ctrl.buckets[3].queued[-RUN:] == [TARGET_ONLY] * RUN, arms + ctrl.buckets[3].queued
+
+
+def test_a_bucket_whose_neighbours_ran_target_only_measures_speculation_in_its_warm_up():
+    """A drain can reach batch 1 through batch sizes that ran target-only only: their cycles inform the
+    fit's line but say nothing of what speculating costs, so the warm-up measures the speculative arms
+    too, and the bucket decides within its warm-up rather than at its first exploration."""
+    pair = Pair(0.8, costs(0.02, 0.0001, 0.001, 0.002))
+    ctrl = SpeculationController(max_k=4)
+    for _ in range(4 * RUN):
+        ctrl.observe_cycle(2, 2, pair.seconds(TARGET_ONLY, 2), TARGET_ONLY)
+    assert ctrl.model.known(1)
+    arms = run(ctrl, 1, pair, 4 * RUN + DECIDE_EVERY)
+    assert arms[:RUN] == [Arm(4, False)] * RUN and arms[-1] == pair.best(4, 1), arms
+
+
+def test_leaving_target_only_takes_the_best_arm_whose_gain_is_clear():
+    """From target-only a switch needs a gain larger than the standard error of the predictions'
+    difference; an arm the fit barely knows must not keep the controller from one it knows, predicted
+    nearly as well."""
+    ctrl = SpeculationController(max_k=4)
+    ctrl.buckets[0] = _Bucket(current=TARGET_ONLY, choices=DECIDE_EVERY - 1)
+    predicted = {TARGET_ONLY: (100.0, 0.01), Arm(4, False): (300.0, 0.02), Arm(4, True): (301.0, 50.0)}
+    ctrl._predictions = lambda batch_size, cache: predicted
+    assert ctrl.choose(1, True, True) == 4 and not ctrl.cache_only
 
 
 def test_an_arms_own_residual_is_of_its_steady_cycles_at_its_own_batch_size():
