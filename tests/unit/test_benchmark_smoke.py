@@ -221,6 +221,20 @@ def test_vllm_bench_rates_each_round_against_the_better_vllm_row(tmp_path, capsy
         assert f"--from-json {bad}: not a results.json this benchmark wrote" in capsys.readouterr().err
 
 
+def test_plan_bench_rates_a_load_while_its_batch_is_full():
+    """bench_plan compares the plan with the rate while B requests were in flight: up to the departure
+    after which fewer ever were, a request running then counted in proportion to its time."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench_plan import in_flight_rate
+
+    outs = [SimpleNamespace(first_token_time=f, finished_time=d, token_ids=[0] * 10) for f, d in ((0, 1), (0, 2), (1, 3))]
+    assert in_flight_rate(outs, 2, 0.0) == pytest.approx((10 + 10 + 5) / 2)
+    assert in_flight_rate(outs, 1, 0.0) == pytest.approx(30 / 3)  # one in flight: up to the last departure
+    with pytest.raises(ValueError, match="never leave 3 in flight"):
+        in_flight_rate(outs, 3, 0.0)
+
+
 def test_vllm_bench_spreads_request_lengths_the_same_for_every_system(tmp_path, capsys):
     """--length-spread s: each request's length drawn by its index from L x [1 - s, 1 + s] (every system
     and round gets the same), none at 0; out of [0, 1) it is refused before anything starts."""
