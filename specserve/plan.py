@@ -13,8 +13,9 @@ controller computes it (``SpeculationController.expected_tokens``). T comes from
   its tokens (the controller compares arms without them; a load pays them whatever the arm).
 
 The arm with the most tokens per second is the one the controller runs (measured: the one it settled
-on). Both give a load's rate (``load_rate``): each request's own costs spread over its tokens. Knows
-nothing of Ray.
+on). Both give a load's rate (``load_rate``): each request's own costs spread over its tokens, and
+its first two tokens (the prefill's, and its first step's, which goes without drafts) a cycle each.
+Knows nothing of Ray.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 from dataclasses import dataclass
 
 from .adaptive import HYSTERESIS, TARGET_ONLY, Arm, SpeculationController
+from .cycle_model import bucket_of
 
 DEPLOYMENTS = ("target-only", "colocated", "remote", "remote, drafting ahead")
 DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
@@ -106,17 +108,22 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
             for arm in ctrl.arms(True):
                 seconds = cycle_seconds(c, deployment, arm, b, hit)
                 if seconds is not None:
-                    rates[arm] = load_rate(b * ctrl.expected_tokens(arm.k, arm.cache_only, b) / seconds, c.prefill, max_tokens)
+                    e = ctrl.expected_tokens(arm.k, arm.cache_only, b)
+                    rates[arm] = load_rate(b * e / seconds, c.prefill, max_tokens, e)
             best = max(rates, key=rates.get)
             rows.append({"batch_size": b, "deployment": deployment, "arm": best, "tokens_per_s": rates[best], "rates": rates,
                          "target_only_tokens_per_s": rates[TARGET_ONLY], "tree_depth": depth, "rtt_ms": c.rtt * 1e3})
     return rows
 
 
-def load_rate(steady_tokens_per_s: float, request_s: float, max_tokens: int) -> float:
-    """Tokens/s of a load whose requests each add ``request_s`` (a prompt's prefill, a departure) to the
-    cycles' ``steady_tokens_per_s``, whatever the arm, spread over their ``max_tokens``."""
-    return 1.0 / (1.0 / steady_tokens_per_s + request_s / max_tokens)
+def load_rate(steady_tokens_per_s: float, request_s: float, max_tokens: int, expected_tokens: float = 1.0) -> float:
+    """Tokens/s of a load of requests of ``max_tokens`` each, from an arm's steady rate (B x E per
+    cycle): a request's row yields one token in the cycle of its prefill and one in its first step,
+    which goes without drafts (``step_plan.hold_first_blocks``), then E (``expected_tokens``) a cycle;
+    and each request adds ``request_s`` (a prompt's prefill, a departure) whatever the arm."""
+    e = expected_tokens
+    row_cycles = min(max_tokens, 2) + max(0, max_tokens - 2) / e
+    return max_tokens / (row_cycles * e / steady_tokens_per_s + request_s)
 
 
 def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_tokens: int = 64, **llm_kwargs) -> list[dict]:
@@ -144,7 +151,11 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
             line = (spec.get("cycle_model") or {}).get(str(b)) or [0.0] * 7  # [..., per prompt token, per departure]
             prompt = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
             request_s = max(0.0, line[5]) * prompt + max(0.0, line[6])
-            rates = {arm: load_rate(rate, request_s, max_tokens) for arm, rate in steady.items()}
+            ctrl = SpeculationController(max(a.k for a in steady))  # E of each arm, as the controller computed it
+            ctrl.acceptance = list(spec.get("acceptance_per_pos") or ctrl.acceptance)
+            for key, coverage in (spec.get("coverage_per_pos") or {}).items():
+                ctrl.coverage[(bucket_of(int(key.split("/")[0])), int(key.split("/")[1]))] = list(coverage)
+            rates = {arm: load_rate(rate, request_s, max_tokens, ctrl.expected_tokens(arm.k, arm.cache_only, b)) for arm, rate in steady.items()}
             # The arm the controller runs, not the best prediction: an arm measured for a few cycles only
             # is as likely over- as under-predicted, and the largest of many such predictions is too high.
             chosen = (spec.get("arm_by_bucket") or {}).get(str(b))

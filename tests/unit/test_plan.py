@@ -76,14 +76,27 @@ def test_a_loads_prompts_cost_every_arm_the_same_time_per_token():
     added to every arm's rate, and none at all without a prompt."""
     from specserve import plan
 
-    steady = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4)
-    assert plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, prompt_tokens=0, max_tokens=16) == steady
+    steady = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, prompt_tokens=0, max_tokens=64)
     loaded = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, prompt_tokens=1024, max_tokens=64)
     for s, l in zip(steady, loaded):
         prefill = plan.profile_costs(TARGET, DRAFT, "10gbe", s["batch_size"], 4, prompt_tokens=1024).prefill
         assert prefill > 0
         for arm, rate in s["rates"].items():
             assert 1 / l["rates"][arm] - 1 / rate == pytest.approx(prefill / 64, rel=1e-6)
+
+
+def test_a_requests_first_two_tokens_take_a_cycle_each_whatever_the_arm():
+    """A request's first token comes from its prefill and its second from a step without drafts: at two
+    tokens a request every arm yields one token a row per cycle, and long requests approach each arm's
+    steady E tokens a cycle."""
+    from specserve import plan
+
+    two = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, max_tokens=2)
+    endless = plan.predict(TARGET, DRAFT, "10gbe", 0.7, (1, 8), 4, max_tokens=10**9)
+    for t, e in zip(two, endless):
+        for arm, rate in t["rates"].items():
+            if not arm.cache_only:
+                assert e["rates"][arm] / rate == pytest.approx(sum(0.7 ** j for j in range(arm.k + 1)), rel=1e-6)
 
 
 @pytest.mark.parametrize("args,message", [
