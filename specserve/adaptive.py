@@ -12,7 +12,6 @@ whenever target-only has it. The rules (``docs/controller.md`` says why each is 
 - Warm-up: a bucket runs k = max (both modes), k = max / 2 and target-only (last: a bucket's first
   cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those its neighbours'
   fit does not know (``UNKNOWN``), and target-only unless it measured steady cycles of it.
-- Switching: to the best arm of those that clear their own hysteresis (below).
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle (the first pay for the switch).
 - Outliers: a steady cycle counts at most its arm's median + ``cycle_model.OUTLIER`` MADs.
 - Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
@@ -22,7 +21,7 @@ whenever target-only has it. The rules (``docs/controller.md`` says why each is 
 - Budget: an exploration's predicted cost (tokens fewer than the running arm's) is spread over enough
   choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: a switch needs a predicted gain over ``HYSTERESIS``, and from target-only also over
-  ``SWITCH_Z`` standard errors of the two predictions' difference.
+  ``SWITCH_Z`` standard errors of the two predictions' difference; it goes to the best arm that clears its own.
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
