@@ -213,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--measure", action="store_true", help="run the real pair briefly on --prompts instead of profiles")
     plan.add_argument("--prompts", default=None, help="with --measure: JSONL of {'prompt': ...} lines (default: a few built in)")
     plan.add_argument("--max-tokens", type=int, default=64, help="tokens per request, over which each request's own costs "
-                      "(its prompt's prefill) are spread (default: 64)")
+                      "(its prompt's prefill, its first step, which goes without drafts) are spread (default: 64)")
     plan.add_argument("--prompt-tokens", type=int, default=0, help="from profiles: a prompt's length, whose prefill each "
-                      "request adds (default: 0, steady decoding alone; --measure reads its prompts)")
+                      "request adds (default: 0, no prefill; --measure reads its prompts)")
     plan.add_argument("--ray", action="store_true", help="with --measure: run the sides as Ray actors placed by label "
                       "(on the cluster --address / RAY_ADDRESS names), as they will be deployed")
     plan.add_argument("--address", default=None, help="with --measure --ray: the Ray cluster to join")
