@@ -10,8 +10,8 @@ arm's own mean residual). Each step runs the arm with the most predicted tokens 
 whenever target-only has it. The rules (``docs/controller.md`` says why each is there):
 
 - Warm-up: a bucket runs k = max (both modes), k = max / 2 and target-only (last: a bucket's first
-  cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those its neighbours'
-  fit does not know (``UNKNOWN``), and target-only unless it measured steady cycles of it.
+  cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those the fit does not
+  know when their turn comes (``UNKNOWN``), and target-only unless it measured steady cycles of it.
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle (the first pay for the switch).
 - Outliers: a steady cycle counts at most its arm's median + ``cycle_model.OUTLIER`` MADs.
 - Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
@@ -86,6 +86,7 @@ def _arms(max_k: int, cache: bool) -> tuple[Arm, ...]:
 class _Bucket:
     current: Arm | None = None
     queued: list = field(default_factory=list)  # arms of the next choices (warm-up, an exploration)
+    warmup: list = field(default_factory=list)  # the warm-up's arms still to run
     choices: int = 0
     interval: int = EXPLORE_MIN  # choices between explorations
     next_explore: int = EXPLORE_MIN
@@ -115,15 +116,14 @@ class SpeculationController:
 
     # -- the model -----------------------------------------------------------------------------
     def _coverage(self, batch_size: int, k: int) -> list[float]:
-        """Per bucket and k asked: a deeper ask leaves the draft less time for each foreseen branch. A new
-        one starts from the nearest known (the same bucket first)."""
+        """Per bucket and k asked: a deeper ask leaves the draft less time for each foreseen branch. One
+        not measured yet reads the nearest measured (the same bucket first), as it is now."""
         key = (bucket_of(batch_size), k)
-        if key not in self.coverage:
-            near = min(self.coverage, key=lambda c: (abs(c[0] - key[0]), abs(c[1] - k)), default=None)
-            old = self.coverage[near] if near is not None else [PRIOR_COVERAGE]
-            self.coverage[key] = [old[min(j, len(old) - 1)] for j in range(k)]
-            self._coverage_n[key] = [0] * k
-        return self.coverage[key]
+        if key in self.coverage:
+            return self.coverage[key]
+        near = min(self.coverage, key=lambda c: (abs(c[0] - key[0]), abs(c[1] - k)), default=None)
+        old = self.coverage[near] if near is not None else [PRIOR_COVERAGE]
+        return [old[min(j, len(old) - 1)] for j in range(k)]
 
     def expected_tokens(self, k: int, cache_only: bool = False, batch_size: int = 1) -> float:
         """Tokens per sequence a cycle of (k, cache_only) yields (the 1 is the recovered or bonus token)."""
@@ -166,12 +166,13 @@ class SpeculationController:
             return Arm(self.max_k, self.fixed_cache_only and cache)
         st = self.buckets.setdefault(bucket_of(batch_size), _Bucket())
         st.choices += 1
-        if st.current is None:  # the warm-up; where neighbours' cycles inform the fit, of what they do not
-            k, known = self.max_k, self._predictions(batch_size, cache)
-            warmup = [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1)
-            warmup = [a for a in warmup if known.get(a, (0, UNKNOWN))[1] >= UNKNOWN]
-            warmup += [] if known and self.model.measured(batch_size, TARGET_ONLY) >= RUN - SETTLE else [TARGET_ONLY]
-            st.current, st.queued = TARGET_ONLY, [a for a in warmup for _ in range(RUN)]
+        if st.current is None:
+            k, st.current = self.max_k, TARGET_ONLY
+            st.warmup = [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1) + [TARGET_ONLY]
+        while st.warmup and not st.queued:  # the next warm-up arm, unless the fit has come to know it meanwhile
+            arm, known = st.warmup.pop(0), self._predictions(batch_size, cache)
+            if not (known.get(arm, (0, UNKNOWN))[1] < UNKNOWN if arm.k else known and self.model.measured(batch_size, arm) >= RUN - SETTLE):
+                st.queued = [arm] * RUN
         if not st.queued:
             self._decide(batch_size, st, cache)
         arm = st.queued.pop(0) if st.queued else st.current
@@ -265,8 +266,11 @@ class SpeculationController:
         """A block: its first ``num_got`` of the ``num_asked`` draft tokens were in the cache (either mode)."""
         if self.trace is not None:
             self.trace.append(("coverage", num_asked, num_got, batch_size))
+        key = (bucket_of(batch_size), num_asked)
+        if num_asked > 0 and key not in self.coverage:  # its first measurement: from the nearest's estimate
+            self.coverage[key], self._coverage_n[key] = self._coverage(batch_size, num_asked), [0] * num_asked
         if num_asked > 0:
-            _count(self._coverage(batch_size, num_asked), self._coverage_n[(bucket_of(batch_size), num_asked)], num_asked, num_got)
+            _count(self.coverage[key], self._coverage_n[key], num_asked, num_got)
 
     def observe_step(self, batch_size: int, tokens_per_row: int, target_s: float, wait_s: float = 0.0,
                      draft_compute_s: float = 0.0, draft_step_s: float = 0.0, num_blocks: int = 0, num_hits: int = 0) -> None:
