@@ -170,8 +170,9 @@ class SpeculationController:
             k, st.current = self.max_k, TARGET_ONLY
             st.warmup = [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1) + [TARGET_ONLY]
         while st.warmup and not st.queued:  # the next warm-up arm, unless the fit has come to know it meanwhile
-            arm, known = st.warmup.pop(0), self._predictions(batch_size, cache)
-            if not (known.get(arm, (0, UNKNOWN))[1] < UNKNOWN if arm.k else known and self.model.measured(batch_size, arm) >= RUN - SETTLE):
+            arm, predicted = st.warmup.pop(0), self._predictions(batch_size, cache)
+            known = predicted.get(arm, (0, UNKNOWN))[1] < UNKNOWN if arm.k else predicted and self.model.measured(batch_size, arm) >= RUN - SETTLE
+            if not known:
                 st.queued = [arm] * RUN
         if not st.queued:
             self._decide(batch_size, st, cache)
