@@ -167,10 +167,6 @@ class CycleModel:
         bucket's window: a draining batch's cycles are mostly departures, and say little of a steady one."""
         return sum(1 for r in self.windows.get((tuple(arm), bucket_of(batch_size)), ()) if _steady(r))
 
-    def known(self, batch_size: int) -> bool:
-        """Whether any cycle informs this batch size's bucket."""
-        return self._fit(batch_size) is not None
-
     def seconds(self, batch_size: int, arm: tuple, prefill_tokens: int = 0) -> float | None:
         """Predicted seconds of a cycle of ``arm`` at ``batch_size`` (None: nothing measured near it)."""
         fit = self._fit(batch_size)
