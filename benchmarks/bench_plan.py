@@ -2,7 +2,8 @@
 
 For each pair and batch size: the plan's prediction (``--source measured``: ``plan.measure``, a short
 run after which the controller's own fit predicts every arm; ``profiles``: the simulator's profiles,
-for the ``sim`` pair only), then a run of the system with its defaults on the same prompts, B
+for the ``sim`` pair only, plus the engine's own time per cycle on this host, which no device profile
+holds: the run's time outside the forwards and the waits for the draft, per step), then a run of the system with its defaults on the same prompts, B
 requests in flight, after one untimed run of the same load, in the two-device harness (each Ray node
 on cores of its own). Prints predicted and delivered tokens/s and their ratio; greedy outputs. The
 rate delivered is the one while B requests were in flight, as a server's steady load keeps them (the
@@ -50,16 +51,23 @@ def pair(name: str):
     return target, draft, dict(target_backend="hf", dtype="float32"), prompts, None
 
 
-def delivered(llm, prompts, batch: int, max_tokens: int) -> tuple[float, float]:
-    """The load's tokens/s, whole and while ``batch`` requests were in flight (``in_flight_rate``)."""
+def delivered(llm, prompts, batch: int, max_tokens: int) -> tuple[float, float, float]:
+    """The load's tokens/s, whole and while ``batch`` requests were in flight (``in_flight_rate``), and
+    the engine's own seconds per cycle: the run's time outside the target's forwards and the waits for
+    the draft, per step (what ``specserve plan --step-overhead-ms`` adds to the profiles' forwards)."""
     from specserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     load = [prompts[i % len(prompts)] for i in range(max(4 * batch, 8))]
     llm.generate(load, params, use_tqdm=False, max_in_flight=batch)  # untimed, as the plan's own run
+    before = llm.metrics()
     start, wall = time.perf_counter(), time.time()
     outs = llm.generate(load, params, use_tqdm=False, max_in_flight=batch)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start), in_flight_rate(outs, batch, wall)
+    seconds = time.perf_counter() - start
+    after = llm.metrics()
+    spent = sum(after["timing"][key] - before["timing"][key] for key in ("target_forward_s", "prefill_s", "draft_wait_s"))
+    overhead = (seconds - spent) / max(1, after["num_steps"] - before["num_steps"])
+    return sum(len(o.token_ids) for o in outs) / seconds, in_flight_rate(outs, batch, wall), overhead
 
 
 def in_flight_rate(outs, batch: int, start: float) -> float:
@@ -100,18 +108,16 @@ def main(argv=None) -> int:
             kw.update(ray=True, address=cluster.address, num_speculative_tokens=a.k, cpu_threads=1,
                       target_num_cpus=1, draft_num_cpus=1, runtime_env={"env_vars": THREAD_ENV})
             measured = {r["batch_size"]: r for r in plan.measure(target, draft, prompts, batches, a.max_tokens, **kw)}
-            profiled = {}
-            if name == "sim":
-                profiled = {r["batch_size"]: r for r in plan.predict(SIM[0], SIM[1], "10gbe", SIM[2], batches, a.k, context=64,
-                                                                    time_scale=scale, prompt_tokens=len(prompts[0]), max_tokens=a.max_tokens)
-                            if r["deployment"] == "remote, drafting ahead"}
             with LLM(target, draft=draft, **kw) as llm:
                 for b in batches:
-                    whole, full = delivered(llm, prompts, b, a.max_tokens)
+                    whole, full, overhead = delivered(llm, prompts, b, a.max_tokens)
                     row = {"pair": name, "batch": b, "delivered": full, "whole_load": whole, "measured_plan": measured[b]["tokens_per_s"],
-                           "measured_arm": plan.arm_text(measured[b]["arm"])}
-                    if b in profiled:
-                        row.update(profiled_plan=profiled[b]["tokens_per_s"], profiled_arm=plan.arm_text(profiled[b]["arm"]))
+                           "measured_arm": plan.arm_text(measured[b]["arm"]), "overhead_ms": overhead * 1e3}
+                    if name == "sim":  # the devices from the profiles, the engine's own time per cycle on this host as measured
+                        profiled = [r for r in plan.predict(SIM[0], SIM[1], "10gbe", SIM[2], [b], a.k, context=64, overhead_s=overhead,
+                                                            time_scale=scale, prompt_tokens=len(prompts[0]), max_tokens=a.max_tokens)
+                                    if r["deployment"] == "remote, drafting ahead"][0]
+                        row.update(profiled_plan=profiled["tokens_per_s"], profiled_arm=plan.arm_text(profiled["arm"]))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     lines = [header("benchmarks.bench_plan", argv), "", "| pair | batch | delivered tok/s (whole load) | plan (measured) | its arm | "
@@ -122,7 +128,9 @@ def main(argv=None) -> int:
         lines.append(f"| {r['pair']} | {r['batch']} | {r['delivered']:.1f} ({r['whole_load']:.1f}) | {r['measured_plan']:.1f} | {r['measured_arm']} "
                      f"| {r['measured_plan'] / r['delivered']:.2f} | {profiles} |")
     lines += ["", "delivered: while B requests were in flight (the rate the plan predicts; the whole load's, with its drain, "
-              "in brackets)"]
+              "in brackets); profiles: the simulator's devices plus the engine's own time per cycle on this host as the run "
+              "measured it (" + ", ".join(f"{r['pair']} batch {r['batch']}: {r['overhead_ms']:.1f} ms" for r in rows if "profiled_plan" in r)
+              + "; `specserve plan --step-overhead-ms`)"]
     table = "\n".join(lines) + "\n"
     (out / "tables.md").write_text(table)
     (out / "results.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))

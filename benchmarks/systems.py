@@ -99,7 +99,7 @@ class SpecserveRunner:
             record["steady_tokens_per_s"] = steady_tokens_per_s(outs, batch)
         if self.spec.kind == "specserve" and self.spec.k and self.spec.options.get("adaptive"):
             # The controller's own prediction (in-process only: over Ray, metrics()["speculation"] has its inputs).
-            record["predicted"] = self.llm._engine.loop.core.controller.predict(batch)
+            record["predicted"] = predictions(self.llm._engine.loop.core.controller, batch)
         return record
 
     def close(self) -> None:
@@ -245,3 +245,10 @@ def make_runner(spec, scenario, args, cluster_address: str | None = None):
     raise ValueError(f"unknown system kind {spec.kind!r}")
 
 
+def predictions(controller, batch_size: int) -> list[dict]:
+    """Per arm: expected tokens per sequence, predicted seconds per cycle, tokens/s, speed-up over k = 0."""
+    rates = controller.rates(batch_size, True)
+    base = rates.get((0, False))
+    return [{"k": a.k, "cache_only": a.cache_only, "expected_tokens": controller.expected_tokens(a.k, a.cache_only, batch_size),
+             "step_s": controller.model.seconds(batch_size, a), "tokens_per_s": rates.get(a),
+             "speedup": rates[a] / base if a in rates and base else None} for a in controller.arms(True)]

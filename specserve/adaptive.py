@@ -6,8 +6,10 @@ An *arm* is one such choice; (0, False) is target-only. At batch size B an arm y
 cycle of T seconds: E = 1 + sum over j <= k of a_1 ... a_j x c_j (a_i the per-position acceptance, c_j
 the cache's coverage per bucket and k, 1 when misses are drafted); T is the cycle model's prediction
 (``cycle_model.py``: a line fitted to measured whole cycles, shared across batch sizes, plus each
-arm's own mean residual). Each step runs the arm with the most predicted tokens per second; k = 0
-whenever target-only has it. The rules (``docs/controller.md`` says why each is there):
+arm's own mean residual) for a cycle that also prefills the load's share of prompts: r x B x E
+prompt tokens, r the prompt tokens the bucket's cycles prefilled per token they generated (a
+speculating cycle may pay more for them). Each step runs the arm with the most predicted tokens per
+second; k = 0 whenever target-only has it. The rules (``docs/controller.md`` says why each is there):
 
 - Warm-up: a bucket runs k = max (both modes), k = max / 2 and target-only (last: a bucket's first
   cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those the fit does not
@@ -55,12 +57,10 @@ RUN = SETTLE + 3  # cycles of a warm-up arm: SETTLE unmeasured, then measured
 PROBE = SETTLE + 2  # cycles of an exploration
 EXPLORE_MIN, EXPLORE_MAX = 32, 512
 EXPLORE_BUDGET = 0.01  # the share of a bucket's cycles its explorations may cost, by prediction
-OPTIMISM = 2.0
-HYSTERESIS = 0.02
-SWITCH_Z = 1.0
+OPTIMISM, HYSTERESIS, SWITCH_Z = 2.0, 0.02, 1.0  # (standard errors, a relative gain, standard errors)
 UNKNOWN = 1.0  # a prediction whose standard error is this share of itself or more: the fit does not know that arm
-DECIDE_EVERY = 4  # choices between two looks at the predictions (they move slowly; a look costs ~50 us)
-PUSH_EVERY = 4
+DECIDE_EVERY = PUSH_EVERY = 4  # choices between two looks at the predictions (they move slowly; a look costs ~50 us)
+LOAD_CYCLES = 200  # a bucket's r (prompt tokens prefilled per token generated) averages over about this many cycles
 OBSERVATIONS = 500  # a position's acceptance and coverage: the mean of the first this many draws, an EMA after
 PRIOR_ACCEPTANCE, PRIOR_COVERAGE = 0.7, 0.5
 TRACE_EVENTS = 500_000
@@ -108,6 +108,7 @@ class SpeculationController:
         self.link_floor_s: float | None = None  # the round trip without the draft's own work: falls fast, rises slowly
         self.link_s = self.draft_step_s = self.hit_rate = None  # reported only
         self.buckets: dict[int, _Bucket] = {}
+        self.load: dict[int, list[float]] = {}  # bucket -> [prompt tokens prefilled, tokens generated], faded
         self._run: tuple = (None, 0)  # the arm of the current run of pure cycles, and its length
         self._k0_steps = 0
         self.k, self.cache_only, self.arm = max_k, False, None  # this step's choice (arm None: nothing to measure)
@@ -138,11 +139,12 @@ class SpeculationController:
     def _predictions(self, batch_size: int, cache: bool) -> dict[Arm, tuple[float, float]]:
         """Per arm: the predicted tokens per second and its relative standard error (the cycle fit's)."""
         arms = self.arms(cache)
-        predicted = self.model.predict_all(batch_size, arms)
+        tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
+        prompts, generated = self.load.get(bucket_of(batch_size), (0.0, 0.0))
+        predicted = self.model.predict_all(batch_size, arms, prompts / generated * batch_size * tokens if generated else None)
         if predicted is None:
             return {}
         seconds, uncertainty = predicted
-        tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
         return dict(zip(arms, zip((batch_size * tokens / seconds).tolist(), uncertainty.tolist())))
 
     def arms(self, cache: bool) -> tuple[Arm, ...]:
@@ -267,10 +269,10 @@ class SpeculationController:
         """A block: its first ``num_got`` of the ``num_asked`` draft tokens were in the cache (either mode)."""
         if self.trace is not None:
             self.trace.append(("coverage", num_asked, num_got, batch_size))
-        key = (bucket_of(batch_size), num_asked)
-        if num_asked > 0 and key not in self.coverage:  # its first measurement: from the nearest's estimate
-            self.coverage[key], self._coverage_n[key] = self._coverage(batch_size, num_asked), [0] * num_asked
         if num_asked > 0:
+            key = (bucket_of(batch_size), num_asked)
+            if key not in self.coverage:  # its first measurement: from the nearest's estimate
+                self.coverage[key], self._coverage_n[key] = self._coverage(batch_size, num_asked), [0] * num_asked
             _count(self.coverage[key], self._coverage_n[key], num_asked, num_got)
 
     def observe_step(self, batch_size: int, tokens_per_row: int, target_s: float, wait_s: float = 0.0,
@@ -285,8 +287,7 @@ class SpeculationController:
             link = max(0.0, wait_s - draft_compute_s)
             self.link_s = _ema(self.link_s, link, 0.1)
             self.link_floor_s = link if self.link_floor_s is None else min(link, 0.99 * self.link_floor_s + 0.01 * link)
-        if draft_step_s > 0.0:
-            self.draft_step_s = draft_step_s
+        self.draft_step_s = draft_step_s or self.draft_step_s
         if num_blocks:
             self.hit_rate = _ema(self.hit_rate, num_hits / num_blocks, 0.1)
 
@@ -295,10 +296,12 @@ class SpeculationController:
         """One engine cycle (everything between the ends of two steps): what it produced and took, and
         the arm it ran. ``pure``: every part of the cycle ran that arm (a cycle that verifies one arm's
         drafts while waiting on another's is a switch); ``prefill_tokens``: prompt tokens its step also
-        computed; ``left``: sequences that left the batch since the cycle before. Only the tokens' count
-        is unused: E comes from the acceptance."""
+        computed; ``left``: sequences that left the batch since the cycle before. The tokens' count
+        weighs the prompts (r); E comes from the acceptance."""
         if self.trace is not None:
             self.trace.append(("cycle", batch_size, num_tokens, seconds, None if arm is None else tuple(arm), pure, prefill_tokens, left))
+        load = self.load.get(bucket_of(batch_size), (0.0, 0.0))
+        self.load[bucket_of(batch_size)] = [x + n - x / LOAD_CYCLES for x, n in zip(load, (prefill_tokens, num_tokens))]
         if not (pure and arm is not None):
             self._run = (None, 0)
             return
@@ -317,14 +320,6 @@ class SpeculationController:
         width = min(known, key=lambda w: abs(w - (k + 1)))
         return self.verify_s[(b, width)] + self.link_floor_s
 
-    def predict(self, batch_size: int, cache: bool = True) -> list[dict]:
-        """Per arm: expected tokens per sequence, predicted seconds per cycle, tokens/s, speed-up over k = 0."""
-        rates = self.rates(batch_size, cache)
-        base = rates.get(TARGET_ONLY)
-        return [{"k": a.k, "cache_only": a.cache_only, "expected_tokens": self.expected_tokens(a.k, a.cache_only, batch_size),
-                 "step_s": self.model.seconds(batch_size, a), "tokens_per_s": rates.get(a),
-                 "speedup": rates[a] / base if a in rates and base else None} for a in self.arms(cache)]
-
     def state(self) -> dict:
         arms = {str(1 << b): f"{st.current.k}{'c' if st.current.cache_only else ''}"
                 for b, st in sorted(dict(self.buckets).items()) if st.current is not None}
@@ -334,21 +329,15 @@ class SpeculationController:
         out = {"k": self.k, "max_k": self.max_k, "cache_only": self.cache_only, "adaptive": self.adaptive,
                "arm_by_bucket": arms, "acceptance_per_pos": list(self.acceptance),
                "coverage_per_pos": {f"{1 << b}/{k}": list(c) for (b, k), c in sorted(dict(self.coverage).items())},
-               "cycle_model": fits,  # seconds = c . [1, B, B*k, speculating, drafting misses * k, prefill tokens, left]
+               "cycle_model": fits,  # seconds = c . [1, B, B*k, speculating, drafting misses * k, prefill tokens, left, speculating * prefill tokens]
                "predicted_tokens_per_s": rates,  # by bucket and arm (k, 'c' for cache-only)
                "link_ms": (self.link_s or 0.0) * 1e3, "link_floor_ms": (self.link_floor_s or 0.0) * 1e3,
                "draft_step_ms": (self.draft_step_s or 0.0) * 1e3, "cache_hit_rate": self.hit_rate or 0.0}
-        if self.trace is not None:
-            out["trace"] = _copy(self.trace)
+        for _ in range(10 if self.trace is not None else 0):  # (the engine's thread may append meanwhile: a deque then refuses)
+            with contextlib.suppress(RuntimeError):
+                out["trace"] = list(self.trace)
+                break
         return out
-
-
-def _copy(events: deque) -> list:
-    """The trace as a list, though the engine's thread may append meanwhile (a deque then refuses iteration)."""
-    for _ in range(10):
-        with contextlib.suppress(RuntimeError):
-            return list(events)
-    return []
 
 
 def replay(trace: Iterable[tuple], controller: SpeculationController) -> list:

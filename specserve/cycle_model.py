@@ -3,13 +3,15 @@
 A cycle is everything between the ends of two engine steps: the verify forward, the wait for the
 drafts, the link, scheduling and output handling. Its seconds are modelled as a line in
 
-    x = [1, B, B*k, speculating, drafting misses * k, prompt tokens prefilled, sequences that left]
+    x = [1, B, B*k, speculating, drafting misses * k, prompt tokens prefilled, sequences that left,
+         speculating * prompt tokens prefilled]
 
 (B sequences, k draft tokens each) plus each arm's own mean residual over its steady cycles in the
-bucket itself, shrunk toward the line, fitted by least squares to the last ``WINDOW`` measured cycles
-of every arm. Every batch-size bucket (1, 2,
-4, ...) keeps its own fit, to which a cycle contributes with a weight that falls with its distance in
-octaves of batch size, so a bucket that has never run borrows from its neighbours. An arm not run
+bucket itself, shrunk toward the line, fitted by least squares to the last ``WINDOW`` steady cycles
+of every arm and as many of its cycles that prefilled prompts or followed departures. A prompt token may cost more in a cycle that speculates (the draft prefills it too, and
+the target verifies blocks beside it): the last term. Every batch-size bucket (1, 2, 4, ...) keeps
+its own fit, to which a cycle contributes with a weight that falls with its distance in octaves of
+batch size, so a bucket that has never run borrows from its neighbours. An arm not run
 keeps its window: what it cost is known until it is measured again. Pure numpy; knows nothing of
 engines or drafts.
 """
@@ -22,12 +24,13 @@ from collections import deque
 
 import numpy as np
 
-NUM_FEATURES = 7
+NUM_FEATURES = 8
 MAX_BUCKET_LOG2 = 12  # buckets 1 .. 4096 sequences
 WINDOW = 32  # measured cycles kept per arm and bucket
 KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
 ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
+SPECULATING_PROMPTS_PRIOR = 0.1  # a prompt token costs the same whatever the arm until target-only's prefills say otherwise
 OUTLIER = 4.0  # a steady cycle (no prefill, none left) over such cycles' median + this many MADs in its arm window: that much
 
 
@@ -38,7 +41,8 @@ def bucket_of(batch_size: int) -> int:
 
 def features(batch_size: int, k: int, cache_only: bool, prefill_tokens: int = 0, left: int = 0) -> np.ndarray:
     spec = 1.0 if k else 0.0
-    return np.array([1.0, batch_size, batch_size * k, spec, spec * (not cache_only) * k, prefill_tokens, left], dtype=np.float64)
+    return np.array([1.0, batch_size, batch_size * k, spec, spec * (not cache_only) * k, prefill_tokens, left, spec * prefill_tokens],
+                    dtype=np.float64)
 
 
 def _steady(row: list) -> bool:
@@ -93,7 +97,9 @@ class _Fit:
 
     def solve(self) -> np.ndarray:
         if self.dirty:
-            self.inv = np.linalg.inv(self.xx + np.diag(DAMPING * np.diag(self.xx) + 1e-9))
+            ridge = DAMPING * np.diag(self.xx) + 1e-9
+            ridge[7] += SPECULATING_PROMPTS_PRIOR * self.xx[7, 7]
+            self.inv = np.linalg.inv(self.xx + np.diag(ridge))
             self.theta = self.inv @ self.xy
             self.dirty = False
         return self.theta
@@ -118,7 +124,7 @@ class _Fit:
 class CycleModel:
     def __init__(self):
         self.fits: dict[int, _Fit] = {}
-        self.windows: dict[tuple, deque] = {}  # (arm, bucket) -> its last WINDOW cycles: [batch size, x, x x', seconds]
+        self.windows: dict[tuple, deque] = {}  # (arm, bucket, steady) -> its last WINDOW cycles: [batch size, x, x x', seconds]
         self._seen = 0
 
     def add(self, batch_size: int, arm: tuple, prefill_tokens: int, seconds: float, left: int = 0) -> None:
@@ -132,14 +138,15 @@ class CycleModel:
             predicted = own.predict(x, arm)
             own.sq = 0.97 * own.sq + min(4.0, ((seconds - predicted) / predicted) ** 2)
             own.sqw = 0.97 * own.sqw + 1.0
-        window = self.windows.setdefault((arm, bucket_of(batch_size)), deque())
         row = [batch_size, x, np.outer(x, x), seconds]
+        # (cycles that prefilled or followed departures keep a window of their own: rarer, they would be pushed out)
+        window = self.windows.setdefault((arm, bucket_of(batch_size), _steady(row)), deque())
         window.append(row)
         self._spread(arm, row, seconds, 1.0)
         if len(window) > WINDOW:
             old = window.popleft()
             self._spread(arm, old, old[3], -1.0)
-        plain = [r for r in window if _steady(r)]  # (prompts and departures explain the others)
+        plain = window if _steady(row) else ()  # (prompts and departures explain the others)
         if len(plain) >= 5:  # a stall (a garbage collection, a busy host) must not decide between arms
             median = float(np.median([r[3] for r in plain]))
             cap = median + OUTLIER * float(np.median([abs(r[3] - median) for r in plain]))
@@ -165,19 +172,25 @@ class CycleModel:
     def measured(self, batch_size: int, arm: tuple) -> int:
         """Steady cycles (no prompt prefilled, none left before) of ``arm`` in this batch size's own
         bucket's window: a draining batch's cycles are mostly departures, and say little of a steady one."""
-        return sum(1 for r in self.windows.get((tuple(arm), bucket_of(batch_size)), ()) if _steady(r))
+        return len(self.windows.get((tuple(arm), bucket_of(batch_size), True), ()))
 
     def seconds(self, batch_size: int, arm: tuple, prefill_tokens: int = 0) -> float | None:
         """Predicted seconds of a cycle of ``arm`` at ``batch_size`` (None: nothing measured near it)."""
         fit = self._fit(batch_size)
         return None if fit is None else fit.predict(features(batch_size, arm[0], arm[1], prefill_tokens), tuple(arm))
 
-    def predict_all(self, batch_size: int, arms: tuple) -> tuple[np.ndarray, np.ndarray] | None:
-        """``seconds`` of each arm (no prompt tokens) and ``uncertainty`` of each, in one product."""
+    def predict_all(self, batch_size: int, arms: tuple, prefill_tokens: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """``seconds`` of each arm (with ``prefill_tokens[i]`` prompt tokens in arm i's cycle; none by
+        default) and the ``uncertainty`` of its steady part (a prompt's cost per token generated moves
+        every arm alike, bar the speculating term)."""
         fit = self._fit(batch_size)
         if fit is None:
             return None
-        seconds, spread = fit.predict_many(_features_of(batch_size, arms), arms)
+        steady = _features_of(batch_size, arms)
+        seconds, spread = fit.predict_many(steady, arms)
+        if prefill_tokens is not None:
+            theta = fit.solve()
+            seconds = np.maximum(seconds + prefill_tokens * (theta[5] + theta[7] * steady[:, 3]), 1e-6)
         return seconds, self.noise(batch_size) * np.sqrt(spread)
 
     def noise(self, batch_size: int) -> float:

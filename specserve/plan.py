@@ -8,9 +8,9 @@ controller computes it (``SpeculationController.expected_tokens``). T comes from
   remote without drafting ahead (k draft forwards and a round trip per cycle); the draft remote and
   drafting ahead (its tree grown during the verify: a foreseen verdict costs only the round trip);
 - measured: a short run of the real pair on the user's prompts, after which the controller's fitted
-  cycle model and measured acceptance give every arm's rate (``predicted_tokens_per_s``), with each
-  request's own costs added from the same fit: its prompt's prefill and its departure, spread over
-  its tokens (the controller compares arms without them; a load pays them whatever the arm).
+  cycle model and measured acceptance give every arm's rate (``predicted_tokens_per_s``: its cycles
+  with the load's prompts in them, as the controller compares arms), with each request's departure
+  added from the same fit, spread over its tokens (a load pays it whatever the arm).
 
 The arm with the most tokens per second is the one the controller runs (measured: the one it settled
 on). Both give a load's rate (``load_rate``): each request's own costs spread over its tokens, and
@@ -129,9 +129,9 @@ def load_rate(steady_tokens_per_s: float, request_s: float, max_tokens: int, exp
 def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_tokens: int = 64, **llm_kwargs) -> list[dict]:
     """Per batch size (a power of two: the controller's buckets): run the pair on ``prompts`` (B in flight,
     greedy) with the adaptive default, then read the controller's predictions for every arm (its fitted
-    cycle model, its measured acceptance), each with the requests' own costs of this load added:
-    ``tokens_per_s`` is the load's rate of the arm the controller settled on, ``steady_tokens_per_s``
-    its cycles' alone."""
+    cycle model, its measured acceptance, this load's prompts), each with the requests' departures and
+    first two tokens added: ``tokens_per_s`` is the load's rate of the arm the controller settled on,
+    ``steady_tokens_per_s`` its cycles' (with the prompts they prefilled)."""
     if any(b < 1 or b & (b - 1) for b in batch_sizes):
         raise ValueError(f"measured batch sizes must be powers of two (the controller's buckets), got {list(batch_sizes)}")
     from .llm import LLM
@@ -148,9 +148,8 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
                       if key.split("/")[0] == str(b)}
             if not steady:
                 raise ValueError(f"batch {b}: the controller measured no cycles (is the draft connected? k > 0?)")
-            line = (spec.get("cycle_model") or {}).get(str(b)) or [0.0] * 7  # [..., per prompt token, per departure]
-            prompt = sum(len(o.prompt_token_ids) for o in outs) / len(outs)
-            request_s = max(0.0, line[5]) * prompt + max(0.0, line[6])
+            line = (spec.get("cycle_model") or {}).get(str(b)) or [0.0] * 8  # [..., per prompt token, per departure, ...]
+            request_s = max(0.0, line[6])  # (the prompts are in the predicted rates: the load's r, ``adaptive``)
             ctrl = SpeculationController(max(a.k for a in steady))  # E of each arm, as the controller computed it
             ctrl.acceptance = list(spec.get("acceptance_per_pos") or ctrl.acceptance)
             for key, coverage in (spec.get("coverage_per_pos") or {}).items():

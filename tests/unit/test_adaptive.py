@@ -6,6 +6,7 @@ assertion is deterministic."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -50,11 +51,13 @@ def costs(t_target: float, per_token: float, link: float, miss: float, hit_rate:
 
 
 def run(ctrl: SpeculationController, batch, pair: Pair, steps: int, cache: bool = True, seed: int = 0,
-        noise: float = 0.1) -> list[Arm]:
+        noise: float = 0.1, prompts=None) -> list[Arm]:
     """Drive the controller like an engine: per step the arm it chose is verified (acceptance and coverage
     drawn per sequence) and its cycle takes ``pair.seconds`` +- ``noise``; ``batch``: a size or a
-    function of the step; returns the arms run."""
-    r, arms = random.Random(seed), []
+    function of the step; ``prompts``: (prompt tokens, tokens per request, seconds per prompt token of
+    an arm): a request's replacement is prefilled in the cycle after it generated its last token;
+    returns the arms run."""
+    r, arms, owed = random.Random(seed), [], 0.0
     for step in range(steps):
         b = batch(step) if callable(batch) else batch
         ctrl.choose(b, True, cache)
@@ -71,7 +74,14 @@ def run(ctrl: SpeculationController, batch, pair: Pair, steps: int, cache: bool 
             if got:
                 ctrl.observe_acceptance(got, accepted)
             tokens += 1 + accepted
-        ctrl.observe_cycle(b, tokens, pair.seconds(arm, b) * r.uniform(1 - noise, 1 + noise), arm)
+        prefill, extra = 0, 0.0
+        if prompts is not None:
+            length, per_request, per_token = prompts
+            owed += tokens / per_request
+            prefill = length * int(owed)
+            owed -= int(owed)
+            extra = prefill * per_token(arm)
+        ctrl.observe_cycle(b, tokens, pair.seconds(arm, b) * r.uniform(1 - noise, 1 + noise) + extra, arm, prefill_tokens=prefill)
     return arms
 
 
@@ -354,3 +364,25 @@ def test_an_arms_own_residual_is_of_its_steady_cycles_at_its_own_batch_size():
                 model.add(32, arm, 0, (cost + left * departure[arm]) * r.uniform(0.98, 1.02), left)
     for arm, cost in steady.items():
         assert model.seconds(32, arm) == pytest.approx(cost, rel=0.05)
+
+
+def test_a_load_whose_prompts_cost_more_beside_speculation_is_served_target_only():
+    """Steady cycles favour speculation by over 10%, but the load prefills a 64-token prompt for every
+    64 tokens it generates, and a prompt token costs 0.5 ms in a cycle that speculates against 0.1 ms
+    in one that does not (the draft prefills it too): per token generated, target-only is then the
+    fastest, and the model says so: a steady cycle's seconds stay its own (the prompts are a term of
+    their own), and target-only's predicted rate is the load's. Without prompts the same pair speculates."""
+    pair, batch = Pair(0.8, costs(0.015, 0.0007, 0.002, 0.002)), 8
+    spec = [Arm(k, False) for k in range(1, 5)]
+    assert max(pair.rate(a, batch) for a in spec) > 1.1 * pair.rate(TARGET_ONLY, batch)
+    per_token = lambda arm: 0.0005 if arm[0] else 0.0001  # noqa: E731
+    per_generated = lambda arm: pair.seconds(arm, batch) / (batch * pair.expected(arm)) + per_token(arm)  # noqa: E731
+    assert per_generated(TARGET_ONLY) < 0.95 * min(per_generated(a) for a in spec)
+    ctrl = SpeculationController(max_k=4)
+    arms = run(ctrl, batch, pair, 1500, cache=False, prompts=(64, 64, per_token))
+    assert Counter(arms[-500:]).most_common(1)[0][0] == TARGET_ONLY
+    for arm in (TARGET_ONLY, Arm(2, False), Arm(4, False)):  # the warm-up's arms
+        assert ctrl.model.seconds(batch, arm) == pytest.approx(pair.seconds(arm, batch), rel=0.1)
+    assert ctrl.rates(batch, False)[TARGET_ONLY] == pytest.approx(1 / per_generated(TARGET_ONLY), rel=0.05)
+    arms = run(SpeculationController(max_k=4), batch, pair, 1500, cache=False)
+    assert Counter(arms[-500:]).most_common(1)[0][0].k > 0

@@ -87,6 +87,5 @@ def test_the_model_prefers_cache_only_where_it_pays(batch_size):
         for pos in range(4):
             c.observe_coverage(4, 4 if pos % 2 else 0, batch_size)  # half the cache-only blocks are full, half empty
         c.observe_acceptance(4, 3)
-    table = [r for r in c.predict(batch_size) if r["k"]]
-    best = max(table, key=lambda r: r["tokens_per_s"])
-    assert best["cache_only"] is (batch_size > 1), table
+    rates = {a: r for a, r in c.rates(batch_size, True).items() if a.k}
+    assert max(rates, key=rates.get).cache_only is (batch_size > 1), rates
