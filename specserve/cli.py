@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "probability or one per position, comma-separated; repeat once per --draft (default: 0.7; --measure "
                       "measures it)")
     plan.add_argument("--step-overhead-ms", type=float, default=0.0, help="the engine's own work per step beyond the "
-                      "forwards (default: 0)")
+                      "forwards and the wait for the draft, on the target's host (scheduling, sampling, output handling), "
+                      "which no device profile holds (default: 0)")
     plan.add_argument("--hit", type=float, default=0.9, help="chance the draft foresees a verdict while drafting ahead "
                       "(the speculation cache's hit rate; default: 0.9)")
     plan.add_argument("--batch-sizes", default="1,8,32", help="comma-separated (default: 1,8,32)")
