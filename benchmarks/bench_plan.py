@@ -3,11 +3,12 @@
 For each pair and batch size: the plan's prediction (``--source measured``: ``plan.measure``, a short
 run after which the controller's own fit predicts every arm; ``profiles``: the simulator's profiles,
 for the ``sim`` pair only, plus the engine's own time per cycle on this host, which no device profile
-holds: the run's time outside the forwards and the waits for the draft, per step), then a run of the system with its defaults on the same prompts, B
-requests in flight, after one untimed run of the same load, in the two-device harness (each Ray node
-on cores of its own). Prints predicted and delivered tokens/s and their ratio; greedy outputs. The
-rate delivered is the one while B requests were in flight, as a server's steady load keeps them (the
-whole load's, which ends on a drain the plan does not price, beside it).
+holds: the run's time outside the forwards and the waits for the draft, per step), then a run of
+the system with its defaults on the same prompts, B requests in flight, after one untimed run of
+the same load, in the two-device harness (each Ray node on cores of its own). Prints predicted and
+delivered tokens/s and their ratio; greedy outputs. The rate delivered is the one while B requests
+were in flight, as a server's steady load keeps them (the whole load's, which ends on a drain the
+plan does not price, beside it).
 
     python -m benchmarks.bench_plan --pairs realistic,sim,demo --batch-sizes 1,8  # ~10 min on 2 cores
 """

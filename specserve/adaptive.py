@@ -137,7 +137,8 @@ class SpeculationController:
         return {a: r * (1.0 + optimism * u) for a, (r, u) in self._predictions(batch_size, cache).items()}
 
     def _predictions(self, batch_size: int, cache: bool) -> dict[Arm, tuple[float, float]]:
-        """Per arm: the predicted tokens per second and its relative standard error (the cycle fit's)."""
+        """Per arm: the predicted tokens per second of the load, and the relative standard error of its
+        steady cycle's prediction (the cycle fit's)."""
         arms = self.arms(cache)
         tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
         prompts, generated = self.load.get(bucket_of(batch_size), (0.0, 0.0))

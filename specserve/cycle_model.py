@@ -8,12 +8,12 @@ drafts, the link, scheduling and output handling. Its seconds are modelled as a 
 
 (B sequences, k draft tokens each) plus each arm's own mean residual over its steady cycles in the
 bucket itself, shrunk toward the line, fitted by least squares to the last ``WINDOW`` steady cycles
-of every arm and as many of its cycles that prefilled prompts or followed departures. A prompt token may cost more in a cycle that speculates (the draft prefills it too, and
-the target verifies blocks beside it): the last term. Every batch-size bucket (1, 2, 4, ...) keeps
-its own fit, to which a cycle contributes with a weight that falls with its distance in octaves of
-batch size, so a bucket that has never run borrows from its neighbours. An arm not run
-keeps its window: what it cost is known until it is measured again. Pure numpy; knows nothing of
-engines or drafts.
+of every arm and as many of its cycles that prefilled prompts or followed departures. A prompt token
+may cost more in a cycle that speculates (the draft prefills it too, and the target verifies blocks
+beside it): the last term. Every batch-size bucket (1, 2, 4, ...) keeps its own fit, to which a
+cycle contributes with a weight that falls with its distance in octaves of batch size, so a bucket
+that has never run borrows from its neighbours. An arm not run keeps its windows: what it cost is
+known until it is measured again. Pure numpy; knows nothing of engines or drafts.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 NUM_FEATURES = 8
 MAX_BUCKET_LOG2 = 12  # buckets 1 .. 4096 sequences
-WINDOW = 32  # measured cycles kept per arm and bucket
+WINDOW = 32  # measured cycles kept per arm, bucket and kind (steady, or prefilling / after departures)
 KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
 ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
