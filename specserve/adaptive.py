@@ -137,8 +137,7 @@ class SpeculationController:
         return {a: r * (1.0 + optimism * u) for a, (r, u) in self._predictions(batch_size, cache).items()}
 
     def _predictions(self, batch_size: int, cache: bool) -> dict[Arm, tuple[float, float]]:
-        """Per arm: the predicted tokens per second of the load, and the relative standard error of its
-        steady cycle's prediction (the cycle fit's)."""
+        """Per arm: the load's predicted tokens per second, and its steady cycle's relative standard error."""
         arms = self.arms(cache)
         tokens = np.array([self.expected_tokens(a.k, a.cache_only, batch_size) for a in arms])
         prompts, generated = self.load.get(bucket_of(batch_size), (0.0, 0.0))
