@@ -55,8 +55,8 @@ def run(ctrl: SpeculationController, batch, pair: Pair, steps: int, cache: bool 
     """Drive the controller like an engine: per step the arm it chose is verified (acceptance and coverage
     drawn per sequence) and its cycle takes ``pair.seconds`` +- ``noise``; ``batch``: a size or a
     function of the step; ``prompts``: (prompt tokens, tokens per request, seconds per prompt token of
-    an arm): a request's replacement is prefilled in the cycle after it generated its last token;
-    returns the arms run."""
+    an arm): each request's worth of tokens generated brings a new prompt, prefilled in the cycle that
+    completed it; returns the arms run."""
     r, arms, owed = random.Random(seed), [], 0.0
     for step in range(steps):
         b = batch(step) if callable(batch) else batch
