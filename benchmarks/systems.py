@@ -247,8 +247,10 @@ def make_runner(spec, scenario, args, cluster_address: str | None = None):
 
 def predictions(controller, batch_size: int) -> list[dict]:
     """Per arm: expected tokens per sequence, predicted seconds per cycle, tokens/s, speed-up over k = 0."""
+    from specserve.adaptive import TARGET_ONLY
+
     rates = controller.rates(batch_size, True)
-    base = rates.get((0, False))
+    base = rates.get(TARGET_ONLY)
     return [{"k": a.k, "cache_only": a.cache_only, "expected_tokens": controller.expected_tokens(a.k, a.cache_only, batch_size),
              "step_s": controller.model.seconds(batch_size, a), "tokens_per_s": rates.get(a),
              "speedup": rates[a] / base if a in rates and base else None} for a in controller.arms(True)]

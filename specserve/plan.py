@@ -142,7 +142,7 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
     with LLM(target, draft=draft, **llm_kwargs) as llm:
         for b in batch_sizes:
             load = [prompts[i % len(prompts)] for i in range(max(4 * b, 8))]  # enough cycles for a bucket's warm-up
-            outs = llm.generate(load, params, use_tqdm=False, max_in_flight=b)
+            llm.generate(load, params, use_tqdm=False, max_in_flight=b)
             spec = llm.metrics().get("speculation") or {}
             steady = {_arm(key.split("/")[1]): rate for key, rate in (spec.get("predicted_tokens_per_s") or {}).items()
                       if key.split("/")[0] == str(b)}
