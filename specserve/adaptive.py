@@ -13,7 +13,8 @@ second; k = 0 whenever target-only has it. The rules (``docs/controller.md`` say
 
 - Warm-up: a bucket runs k = max (both modes), k = max / 2 and target-only (last: a bucket's first
   cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those the fit does not
-  know when their turn comes (``UNKNOWN``), and target-only unless it measured steady cycles of it.
+  know when their turn comes (``UNKNOWN``), and target-only unless it measured steady cycles of it
+  or even its optimistic prediction (plus ``OPTIMISM`` standard errors) is far behind a known arm.
 - Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle (the first pay for the switch).
 - Outliers: a steady cycle counts at most its arm's median + ``cycle_model.OUTLIER`` MADs.
 - Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from collections import deque
 from collections.abc import Iterable
@@ -128,8 +130,8 @@ class SpeculationController:
 
     def expected_tokens(self, k: int, cache_only: bool = False, batch_size: int = 1) -> float:
         """Tokens per sequence a cycle of (k, cache_only) yields (the 1 is the recovered or bonus token)."""
-        reach = np.cumprod(self.acceptance[:k])
-        return 1.0 + float(np.dot(reach, self._coverage(batch_size, k)) if cache_only and k else reach.sum())
+        reach = itertools.accumulate(self.acceptance[:k], lambda x, y: x * y)  # (pure Python: numpy's costs more at k <= 8)
+        return 1.0 + sum(r * c for r, c in zip(reach, self._coverage(batch_size, k) if cache_only else [1.0] * k))
 
     def rates(self, batch_size: int, cache: bool, optimism: float = 0.0) -> dict[Arm, float]:
         """Predicted tokens per second of every arm at ``batch_size`` (empty: no cycle measured near it);
@@ -173,7 +175,12 @@ class SpeculationController:
             st.warmup = [Arm(k, False)] + [Arm(k, True)] * cache + [Arm((k + 1) // 2, False)] * (k > 1) + [TARGET_ONLY]
         while st.warmup and not st.queued:  # the next warm-up arm, unless the fit has come to know it meanwhile
             arm, predicted = st.warmup.pop(0), self._predictions(batch_size, cache)
-            known = predicted.get(arm, (0, UNKNOWN))[1] < UNKNOWN if arm.k else predicted and self.model.measured(batch_size, arm) >= RUN - SETTLE
+            rate, u = predicted.get(arm, (0.0, UNKNOWN))
+            known = u < UNKNOWN
+            if not arm.k:  # target-only: measured here, or known from neighbours and behind a known arm even optimistically
+                ahead = [r for a, (r, v) in predicted.items() if a.k and v < UNKNOWN and (cache or not a.cache_only)]
+                outclassed = known and rate * (1 + OPTIMISM * u) * (1 + HYSTERESIS) < max(ahead, default=0.0)
+                known = predicted and (self.model.measured(batch_size, arm) >= RUN - SETTLE or outclassed)
             if not known:
                 st.queued = [arm] * RUN
         if not st.queued:
@@ -187,7 +194,7 @@ class SpeculationController:
     def _decide(self, batch_size: int, st: _Bucket, cache: bool) -> None:
         ended = st.explored is not None
         due = st.choices >= st.next_explore
-        if not (ended or due or st.choices % DECIDE_EVERY == 0):
+        if not (ended or due or st.choices % DECIDE_EVERY == 0 or not st.last_run):  # (nothing run yet: a skipped warm-up)
             return
         predicted = self._predictions(batch_size, True)
         if not predicted:  # the warm-up's cycles were not measurable (idle gaps): keep the arm until some are
