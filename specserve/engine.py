@@ -109,7 +109,8 @@ class EngineCore(RequestQueue):
         self.totals = SpecMetrics()
         self.timing = {k: 0.0 for k in TIMING_KEYS}
         self.counters = {"num_steps": 0, "num_speculative_steps": 0, "num_cache_only_steps": 0, "num_cache_hits": 0, "num_blocks": 0,
-                         "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0}
+                         "num_requests_failed": 0, "num_requests_aborted": 0, "num_generated_tokens": 0,
+                         "num_prefills_apart": 0}  # prompts a forward of their own prefilled, giving their first tokens
 
     # -- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, committed: Committed | None = None) -> None:
@@ -160,6 +161,7 @@ class EngineCore(RequestQueue):
             batch = [b for b in batch if b.request_id not in deferred]
         deltas: list[StepDelta] = []
         failed: dict[str, Exception] = {}
+        self.counters["num_prefills_apart"] += len(batch) if first_tokens else 0
         try:
             if batch:
                 deltas, failed = self.target.open(batch, first_tokens)

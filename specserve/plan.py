@@ -116,13 +116,16 @@ def predict(target: str, draft: str, link: str, acceptance: float | list[float],
     return rows
 
 
-def load_rate(steady_tokens_per_s: float, request_s: float, max_tokens: int, expected_tokens: float = 1.0) -> float:
+def load_rate(steady_tokens_per_s: float, request_s: float, max_tokens: int, expected_tokens: float = 1.0,
+              prefilled_apart: float = 0.0) -> float:
     """Tokens/s of a load of requests of ``max_tokens`` each, from an arm's steady rate (B x E per
     cycle): a request's row yields one token in the cycle of its prefill and one in its first step,
     which goes without drafts (``step_plan.hold_first_blocks``), then E (``expected_tokens``) a cycle;
-    and each request adds ``request_s`` (a prompt's prefill, a departure) whatever the arm."""
+    and each request adds ``request_s`` (a prompt's prefill, a departure) whatever the arm.
+    ``prefilled_apart``: the share of requests whose prompt a forward of its own prefilled, outside
+    any cycle (its time in ``request_s``), so that their first token takes no cycle."""
     e = expected_tokens
-    row_cycles = min(max_tokens, 2) + max(0, max_tokens - 2) / e
+    row_cycles = max(0.0, min(max_tokens, 2) - prefilled_apart) + max(0, max_tokens - 2) / e
     return max_tokens / (row_cycles * e / steady_tokens_per_s + request_s)
 
 
@@ -142,19 +145,26 @@ def measure(target: str, draft: str, prompts: list, batch_sizes=(1, 8, 32), max_
     with LLM(target, draft=draft, **llm_kwargs) as llm:
         for b in batch_sizes:
             load = [prompts[i % len(prompts)] for i in range(max(4 * b, 8))]  # enough cycles for a bucket's warm-up
+            before = llm.metrics()
             llm.generate(load, params, use_tqdm=False, max_in_flight=b)
-            spec = llm.metrics().get("speculation") or {}
+            after = llm.metrics()
+            spec = after.get("speculation") or {}
             steady = {_arm(key.split("/")[1]): rate for key, rate in (spec.get("predicted_tokens_per_s") or {}).items()
                       if key.split("/")[0] == str(b)}
             if not steady:
                 raise ValueError(f"batch {b}: the controller measured no cycles (is the draft connected? k > 0?)")
             line = (spec.get("cycle_model") or {}).get(str(b)) or [0.0] * 8  # [..., per prompt token, per departure, ...]
-            request_s = max(0.0, line[6])  # (the prompts are in the predicted rates: the load's r, ``adaptive``)
+            # The prompts prefilled in cycles are in the predicted rates (the load's r, ``adaptive``); those a
+            # forward of their own prefilled (specserve's transformers target) stop every row for its time.
+            apart = (after.get("num_prefills_apart", 0) - before.get("num_prefills_apart", 0)) / len(load)
+            prefill_s = (after.get("timing") or {}).get("prefill_s", 0.0) - (before.get("timing") or {}).get("prefill_s", 0.0)
+            request_s = max(0.0, line[6]) + prefill_s / len(load)
             ctrl = SpeculationController(max(a.k for a in steady))  # E of each arm, as the controller computed it
             ctrl.acceptance = list(spec.get("acceptance_per_pos") or ctrl.acceptance)
             for key, coverage in (spec.get("coverage_per_pos") or {}).items():
                 ctrl.coverage[(bucket_of(int(key.split("/")[0])), int(key.split("/")[1]))] = list(coverage)
-            rates = {arm: load_rate(rate, request_s, max_tokens, ctrl.expected_tokens(arm.k, arm.cache_only, b)) for arm, rate in steady.items()}
+            rates = {arm: load_rate(rate, request_s, max_tokens, ctrl.expected_tokens(arm.k, arm.cache_only, b), apart)
+                     for arm, rate in steady.items()}
             # The arm the controller runs, not the best prediction: an arm measured for a few cycles only
             # is as likely over- as under-predicted, and the largest of many such predictions is too high.
             chosen = (spec.get("arm_by_bucket") or {}).get(str(b))

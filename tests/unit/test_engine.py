@@ -278,6 +278,7 @@ def test_the_first_token_comes_from_the_prefill(tiny_pair, reference):
             outs = llm.generate(PROMPTS[:4], one, use_tqdm=False)  # (one admission batch)
             assert [o.token_ids for o in outs] == [r[:1] for r in reference[:4]]
             assert steps() == extra
+            assert llm.metrics()["num_prefills_apart"] == 4 * (1 - extra)  # (what ``specserve plan --measure`` prices)
             assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].token_ids == reference[2]
             assert steps() == extra + GREEDY.max_tokens - 1 + extra
             unseeded = llm.generate([PROMPTS[2]], SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True), use_tqdm=False)

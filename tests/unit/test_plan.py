@@ -104,6 +104,17 @@ def test_a_requests_first_two_tokens_take_a_cycle_each_whatever_the_arm():
                 assert e["rates"][arm] / rate == pytest.approx(sum(0.7 ** j for j in range(arm.k + 1)), rel=1e-6)
 
 
+def test_a_prompt_prefilled_apart_gives_its_first_token_outside_the_cycles():
+    """An engine that prefills a prompt in a forward of its own (specserve's transformers target) takes
+    the first token from it: the first two tokens take one cycle, the forward's time is the request's."""
+    from specserve.plan import load_rate
+
+    assert load_rate(100.0, 0.0, 2, 2.5, prefilled_apart=1.0) == pytest.approx(2 * load_rate(100.0, 0.0, 2, 2.5))
+    assert load_rate(100.0, 0.25, 1, 2.5, prefilled_apart=1.0) == pytest.approx(1 / 0.25)  # no cycle at all
+    half = load_rate(100.0, 0.0, 64, 2.5, prefilled_apart=0.5)
+    assert 64 / half == pytest.approx((1.5 + 62 / 2.5) * 2.5 / 100.0)
+
+
 @pytest.mark.parametrize("args,message", [
     (["--target", "no-such-profile", "--draft", DRAFT], "unknown sim profile 'no-such-profile'"),
     (["--target", TARGET, "--draft", DRAFT, "--acceptance", "1.5"], "acceptance must be a probability"),
