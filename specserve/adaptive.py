@@ -20,7 +20,8 @@ second; k = 0 whenever target-only has it. The rules (``docs/controller.md`` say
 - Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
   explorations change nothing) the arm best by its prediction plus ``OPTIMISM`` standard errors runs
   ``PROBE`` cycles if that could change the choice; every ``EXPLORE_MAX`` choices the least recently
-  measured neighbour (k +- 1, the other mode, target-only; k = 1 from target-only) runs regardless.
+  measured neighbour (k +- 1, the other mode, target-only; from target-only k = 1 and k = max in
+  each mode, by turns) runs regardless, and an arm measured again so long after restarts its window.
 - Budget: an exploration's predicted cost (tokens fewer than the running arm's) is spread over enough
   choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: a switch needs a predicted gain over ``HYSTERESIS``, and from target-only also over
@@ -220,7 +221,9 @@ class SpeculationController:
         if forced:  # the least recently measured neighbour, whatever its prediction
             k, mode = st.current
             near = [Arm(k2, mode) for k2 in (k - 1, k + 1) if 1 <= k2 <= self.max_k] + ([Arm(k, not mode)] if cache else [])
-            probe = min(near + [TARGET_ONLY] if k else [Arm(1, cache)], key=lambda a: st.last_run.get(a, -1))
+            # (from target-only the ends of the line: k = 1 alone could not show a stale k = max wrong)
+            ends = [Arm(1, cache), Arm(self.max_k, False)] + [Arm(self.max_k, True)] * cache
+            probe = min(near + [TARGET_ONLY] if k else ends, key=lambda a: st.last_run.get(a, -1))
         else:  # the arm with the best optimistic rate, if it could change the choice
             probe = max(optimistic, key=optimistic.get, default=None)
             if probe is not None and optimistic[probe] <= mine * (1 + HYSTERESIS):

@@ -13,7 +13,8 @@ may cost more in a cycle that speculates (the draft prefills it too, and the tar
 beside it): the last term. Every batch-size bucket (1, 2, 4, ...) keeps its own fit, to which a
 cycle contributes with a weight that falls with its distance in octaves of batch size, so a bucket
 that has never run borrows from its neighbours. An arm not run keeps its windows: what it cost is
-known until it is measured again. Pure numpy; knows nothing of engines or drafts.
+known until it is measured again, and a window whose newest cycle is ``STALE`` cycles old restarts
+then (the host it measured may have moved). Pure numpy; knows nothing of engines or drafts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2
 ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
 SPECULATING_PROMPTS_PRIOR = 0.1  # a prompt token costs the same whatever the arm until target-only's prefills say otherwise
+STALE = 512  # a window whose newest cycle is older than this many cycles (any arm's) restarts at its next
 OUTLIER = 4.0  # a steady cycle (no prefill, none left) over such cycles' median + this many MADs in its arm window: that much
 
 
@@ -140,9 +142,13 @@ class CycleModel:
             predicted = own.predict(x, arm)
             own.sq = 0.97 * own.sq + min(4.0, ((seconds - predicted) / predicted) ** 2)
             own.sqw = 0.97 * own.sqw + 1.0
-        row = [batch_size, x, np.outer(x, x), seconds]
+        row = [batch_size, x, np.outer(x, x), seconds, self._seen]
         # (cycles that prefilled or followed departures keep a window of their own: rarer, they would be pushed out)
         window = self.windows.setdefault((arm, bucket_of(batch_size), _steady(row)), deque())
+        if window and self._seen - window[-1][4] > STALE:  # it measured a host that may have moved since
+            while window:
+                old = window.popleft()
+                self._spread(arm, old, old[3], -1.0)
         window.append(row)
         self._spread(arm, row, seconds, 1.0)
         if len(window) > WINDOW:
@@ -159,7 +165,7 @@ class CycleModel:
 
     def _spread(self, arm: tuple, row: list, seconds: float, sign: float, moved: bool = False) -> None:
         """Add (sign 1) or take out (-1) a window row in every bucket it informs; ``moved``: only its seconds change."""
-        batch_size, x, xx, _ = row
+        batch_size, x, xx = row[:3]
         own = bucket_of(batch_size) if _steady(row) else None
         for b, w in _weights(batch_size):
             fit = self.fits.get(b)
