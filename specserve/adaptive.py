@@ -21,7 +21,8 @@ second; k = 0 whenever target-only has it. The rules (``docs/controller.md`` say
   explorations change nothing) the arm best by its prediction plus ``OPTIMISM`` standard errors runs
   ``PROBE`` cycles if that could change the choice; every ``EXPLORE_MAX`` choices the least recently
   measured neighbour (k +- 1, the other mode, target-only; from target-only k = 1 and k = max in
-  each mode, by turns) runs regardless, and an arm measured again so long after restarts its window.
+  each mode, by turns) runs regardless; an arm measured again ``cycle_model.STALE`` cycles after its
+  last restarts its window.
 - Budget: an exploration's predicted cost (tokens fewer than the running arm's) is spread over enough
   choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: a switch needs a predicted gain over ``HYSTERESIS``, and from target-only also over

@@ -128,7 +128,7 @@ class _Fit:
 class CycleModel:
     def __init__(self):
         self.fits: dict[int, _Fit] = {}
-        self.windows: dict[tuple, deque] = {}  # (arm, bucket, steady) -> its last WINDOW cycles: [batch size, x, x x', seconds]
+        self.windows: dict[tuple, deque] = {}  # (arm, bucket, steady) -> its last WINDOW cycles: [batch size, x, x x', seconds, cycles seen]
         self._seen = 0
 
     def add(self, batch_size: int, arm: tuple, prefill_tokens: int, seconds: float, left: int = 0) -> None:

@@ -146,7 +146,7 @@ def test_an_exploration_is_spaced_by_its_predicted_cost():
 def test_speculation_measured_slow_at_start_is_measured_again_and_taken():
     """A warm-up that met a slow moment (a cold draft, a busy host: every speculative cycle 3 x its
     cost) settles on target-only; the forced explorations reach k = max, whose cycles, measured
-    afresh, replace the stale ones, and the controller speculates. Before, they only ever tried k = 1."""
+    afresh, replace the stale ones, and the controller speculates."""
     fast = costs(0.005, 0.0, 0.0035, 0.002)  # k = 1 about target-only's rate, k = 4 five thirds of it
     ctrl = SpeculationController(max_k=4)
     run(ctrl, 1, Pair(0.8, lambda arm, b: fast(arm, b) * (3.0 if arm[0] else 1.0)), 60)
