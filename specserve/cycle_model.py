@@ -145,13 +145,10 @@ class CycleModel:
         row = [batch_size, x, np.outer(x, x), seconds, self._seen]
         # (cycles that prefilled or followed departures keep a window of their own: rarer, they would be pushed out)
         window = self.windows.setdefault((arm, bucket_of(batch_size), _steady(row)), deque())
-        if window and self._seen - window[-1][4] > STALE:  # it measured a host that may have moved since
-            while window:
-                old = window.popleft()
-                self._spread(arm, old, old[3], -1.0)
+        stale = window and self._seen - window[-1][4] > STALE  # it measured a host that may have moved since
         window.append(row)
         self._spread(arm, row, seconds, 1.0)
-        if len(window) > WINDOW:
+        while len(window) > (1 if stale else WINDOW):
             old = window.popleft()
             self._spread(arm, old, old[3], -1.0)
         plain = window if _steady(row) else ()  # (prompts and departures explain the others)

@@ -159,9 +159,9 @@ class EngineCore(RequestQueue):
             deferred = set(self.target.defer(batch))
             self._fused_tokens = sum(len(b.prompt_token_ids) for b in batch if b.request_id in deferred)
             batch = [b for b in batch if b.request_id not in deferred]
+            self.counters["num_prefills_apart"] += len(batch)  # (a forward of their own gives their first tokens)
         deltas: list[StepDelta] = []
         failed: dict[str, Exception] = {}
-        self.counters["num_prefills_apart"] += len(batch) if first_tokens else 0
         try:
             if batch:
                 deltas, failed = self.target.open(batch, first_tokens)
