@@ -135,10 +135,9 @@ class SpeculationController:
         reach = itertools.accumulate(self.acceptance[:k], lambda x, y: x * y)  # (pure Python: numpy's costs more at k <= 8)
         return 1.0 + sum(r * c for r, c in zip(reach, self._coverage(batch_size, k) if cache_only else [1.0] * k))
 
-    def rates(self, batch_size: int, cache: bool, optimism: float = 0.0) -> dict[Arm, float]:
-        """Predicted tokens per second of every arm at ``batch_size`` (empty: no cycle measured near it);
-        ``optimism``: plus that many standard errors of each prediction."""
-        return {a: r * (1.0 + optimism * u) for a, (r, u) in self._predictions(batch_size, cache).items()}
+    def rates(self, batch_size: int, cache: bool) -> dict[Arm, float]:
+        """Predicted tokens per second of every arm at ``batch_size`` (empty: no cycle measured near it)."""
+        return {a: r for a, (r, _) in self._predictions(batch_size, cache).items()}
 
     def _predictions(self, batch_size: int, cache: bool) -> dict[Arm, tuple[float, float]]:
         """Per arm: the load's predicted tokens per second, and its steady cycle's relative standard error."""
@@ -212,7 +211,7 @@ class SpeculationController:
             mine, st.interval = allowed[st.current], EXPLORE_MIN
         if not (ended or due):
             return
-        optimistic = {a: r for a, r in self.rates(batch_size, cache, OPTIMISM).items() if a != st.current}
+        optimistic = {a: r * (1.0 + OPTIMISM * u) for a, (r, u) in predicted.items() if a != st.current and (cache or not a.cache_only)}
         if ended:  # explore less often once the arm explored could not change the choice
             if best == st.current and optimistic.get(st.explored, 0.0) <= mine * (1 + HYSTERESIS):
                 st.interval = min(2 * st.interval, EXPLORE_MAX)
@@ -241,8 +240,7 @@ class SpeculationController:
 
     @staticmethod
     def _hysteresis(predicted: dict, best: Arm, current: Arm) -> float:
-        """The relative gain a switch needs: ``HYSTERESIS``; from target-only, whose cost cannot surprise
-        (no draft, no link), also ``SWITCH_Z`` standard errors of the two predictions' difference."""
+        """The relative gain a switch needs; from target-only (a cost that cannot surprise) also ``SWITCH_Z`` s.e."""
         if current != TARGET_ONLY or current not in predicted:
             return HYSTERESIS
         return max(HYSTERESIS, SWITCH_Z * float(np.hypot(predicted[best][1], predicted[current][1])))
@@ -304,11 +302,9 @@ class SpeculationController:
 
     def observe_cycle(self, batch_size: int, num_tokens: int, seconds: float, arm, pure: bool = True,
                       prefill_tokens: int = 0, left: int = 0) -> None:
-        """One engine cycle (everything between the ends of two steps): what it produced and took, and
-        the arm it ran. ``pure``: every part of the cycle ran that arm (a cycle that verifies one arm's
-        drafts while waiting on another's is a switch); ``prefill_tokens``: prompt tokens its step also
-        computed; ``left``: sequences that left the batch since the cycle before. The tokens' count
-        weighs the prompts (r); E comes from the acceptance."""
+        """One engine cycle (between the ends of two steps): its tokens, seconds and arm; ``pure``: all of
+        it ran that arm (not a switch); ``prefill_tokens``: prompt tokens its step also computed; ``left``:
+        sequences that left the batch since the cycle before. The tokens weigh the prompts (r), not E."""
         if self.trace is not None:
             self.trace.append(("cycle", batch_size, num_tokens, seconds, None if arm is None else tuple(arm), pure, prefill_tokens, left))
         load = self.load.get(bucket_of(batch_size), (0.0, 0.0))
@@ -324,12 +320,11 @@ class SpeculationController:
     # -- what the drafts and the metrics read ------------------------------------------------------
     def budget(self, batch_size: int, k: int) -> float:
         """Seconds from the draft's reply to the next request: the verify and the link (0: not known yet)."""
-        b = bucket_of(batch_size)
-        known = [w for (bb, w) in self.verify_s if bb == b]
+        known = [w for (b, w) in self.verify_s if b == bucket_of(batch_size)]
         if not known or self.link_floor_s is None:
             return 0.0
         width = min(known, key=lambda w: abs(w - (k + 1)))
-        return self.verify_s[(b, width)] + self.link_floor_s
+        return self.verify_s[(bucket_of(batch_size), width)] + self.link_floor_s
 
     def state(self) -> dict:
         arms = {str(1 << b): f"{st.current.k}{'c' if st.current.cache_only else ''}"
