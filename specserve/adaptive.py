@@ -15,7 +15,7 @@ second; k = 0 whenever target-only has it. The rules (``docs/controller.md`` say
   cycles are cold) for ``RUN`` cycles each, but of the speculative arms only those the fit does not
   know when their turn comes (``UNKNOWN``), and target-only unless it measured steady cycles of it
   or even its optimistic prediction (plus ``OPTIMISM`` standard errors) is far behind a known arm.
-- Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle (the first pay for the switch).
+- Settling: a run of one arm is measured from its ``SETTLE + 1``-th cycle, its switch counted (the first pay for it).
 - Outliers: a steady cycle counts at most its arm's median + ``cycle_model.OUTLIER`` MADs.
 - Exploration: every ``interval`` choices (``EXPLORE_MIN``, doubled up to ``EXPLORE_MAX`` while
   explorations change nothing) the arm best by its prediction plus ``OPTIMISM`` standard errors runs
@@ -212,8 +212,8 @@ class SpeculationController:
         if not (ended or due):
             return
         optimistic = {a: r * (1.0 + OPTIMISM * u) for a, (r, u) in predicted.items() if a != st.current and (cache or not a.cache_only)}
-        if ended:  # explore less often once the arm explored could not change the choice
-            if best == st.current and optimistic.get(st.explored, 0.0) <= mine * (1 + HYSTERESIS):
+        if ended:  # explore less often while explorations change nothing
+            if best == st.current:
                 st.interval = min(2 * st.interval, EXPLORE_MAX)
             st.explored, st.next_explore = None, st.choices + st.interval  # (an interval is at least EXPLORE_MIN)
             return
@@ -309,12 +309,12 @@ class SpeculationController:
             self.trace.append(("cycle", batch_size, num_tokens, seconds, None if arm is None else tuple(arm), pure, prefill_tokens, left))
         load = self.load.get(bucket_of(batch_size), (0.0, 0.0))
         self.load[bucket_of(batch_size)] = [x + n - x / LOAD_CYCLES for x, n in zip(load, (prefill_tokens, num_tokens))]
-        if not (pure and arm is not None):
+        if arm is None:
             self._run = (None, 0)
             return
-        arm = Arm(*arm)
+        arm = Arm(*arm)  # (a run counts from its switch, the impure cycle where the vLLM target makes it)
         self._run = (arm, self._run[1] + 1) if self._run[0] == arm else (arm, 1)
-        if self._run[1] > SETTLE and seconds > 0:
+        if pure and self._run[1] > SETTLE and seconds > 0:
             self.model.add(batch_size, arm, prefill_tokens, seconds, left)
 
     # -- what the drafts and the metrics read ------------------------------------------------------

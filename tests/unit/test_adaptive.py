@@ -191,6 +191,34 @@ def test_draining_batches_are_cycles_of_their_own_batch_size():
         assert abs(predicted - pair.seconds(arms[-1], b)) < 0.1 * pair.seconds(arms[-1], b)
 
 
+def test_a_run_is_measured_from_its_third_cycle_whether_or_not_its_switch_was_pure():
+    """The vLLM target's first cycle of a run still verifies the previous arm's drafts (impure): it is
+    the run's first cycle, so an exploration of ``PROBE`` cycles measures as many on either engine."""
+    from specserve.adaptive import PROBE
+
+    measured = []
+    for first_pure in (True, False):
+        ctrl = SpeculationController(max_k=4)
+        for arm in (TARGET_ONLY, Arm(2, True)):
+            for i in range(PROBE):
+                ctrl.observe_cycle(8, 8, 0.01, arm, pure=first_pure or i > 0)
+        measured.append([ctrl.model.measured(8, a) for a in (TARGET_ONLY, Arm(2, True))])
+    assert measured == [[PROBE - SETTLE] * 2] * 2
+
+
+def test_explorations_that_change_nothing_become_rarer():
+    """An arm still predicted, optimistically, to beat the running one after its exploration (a fit that
+    learns slowly of it) is explored at doubling intervals, not every ``EXPLORE_MIN`` choices."""
+    ctrl = SpeculationController(max_k=4)
+    ctrl.buckets[0] = _Bucket(current=TARGET_ONLY, choices=DECIDE_EVERY - 1)
+    predicted = {TARGET_ONLY: (100.0, 0.01), Arm(4, False): (99.0, 0.2)}
+    ctrl._predictions = lambda batch_size, cache: predicted
+    arms = [ctrl.choose(1, True, False) for _ in range(EXPLORE_MAX)]
+    starts = [i for i in range(1, len(arms)) if arms[i] and not arms[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) >= 3 and all(b >= 2 * a - 4 for a, b in zip(gaps, gaps[1:])), starts
+
+
 def test_one_stalled_cycle_does_not_move_the_choice():
     pair, batch = PAIRS["a slow target and a fast draft: long blocks"]
     ctrl = SpeculationController(max_k=4)
