@@ -26,7 +26,8 @@ second; k = 0 whenever target-only has it. The rules (``docs/controller.md`` say
 - Budget: an exploration's predicted cost (tokens fewer than the running arm's) is spread over enough
   choices to stay within ``EXPLORE_BUDGET`` of them.
 - Hysteresis: a switch needs a predicted gain over ``HYSTERESIS``, and from target-only also over
-  ``SWITCH_Z`` standard errors of the two predictions' difference; it goes to the best arm that clears its own.
+  ``SWITCH_Z`` standard errors of the two predictions' difference; it goes to the best arm that clears its
+  own, explored first if the bucket has not measured it.
 - Keeping the drafts current: at k = 0 the committed tokens reach the drafts unawaited every
   ``PUSH_EVERY`` steps and just before an exploration into speculation.
 
@@ -207,8 +208,11 @@ class SpeculationController:
         # the best of the arms that clear their own hysteresis: one the fit knows little of must not block one it knows
         clear = [a for a in allowed if a != st.current and (mine is None or allowed[a] > mine * (1 + self._hysteresis(predicted, a, st.current)))]
         if clear:
-            st.current = max(clear, key=allowed.get)
-            mine, st.interval = allowed[st.current], EXPLORE_MIN
+            pick = max(clear, key=allowed.get)
+            if not (self.model.measured(batch_size, pick) or (ended and st.explored == pick)):
+                st.explored, st.queued = pick, [pick] * PROBE  # the line alone predicts it here: measured before it is run
+                return
+            st.current, mine, st.interval = pick, allowed[pick], EXPLORE_MIN
         if not (ended or due):
             return
         optimistic = {a: r * (1.0 + OPTIMISM * u) for a, (r, u) in predicted.items() if a != st.current and (cache or not a.cache_only)}

@@ -7,8 +7,9 @@ drafts, the link, scheduling and output handling. Its seconds are modelled as a 
          speculating * prompt tokens prefilled]
 
 (B sequences, k draft tokens each) plus each arm's own mean residual over its steady cycles in the
-bucket itself, shrunk toward the line, fitted by least squares to the last ``WINDOW`` steady cycles
-of every arm and as many of its cycles that prefilled prompts or followed departures. A prompt token
+bucket itself, shrunk toward the line as far as the other arms sit on it, fitted by least squares
+to the last ``WINDOW`` steady cycles of every arm and as many of its cycles that prefilled prompts
+or followed departures. A prompt token
 may cost more in a cycle that speculates (the draft prefills it too, and the target verifies blocks
 beside it): the last term. Every batch-size bucket (1, 2, 4, ...) keeps its own fit, to which a
 cycle contributes with a weight that falls with its distance in octaves of batch size, so a bucket
@@ -30,7 +31,7 @@ NUM_FEATURES = 8
 MAX_BUCKET_LOG2 = 12  # buckets 1 .. 4096 sequences
 WINDOW = 32  # measured cycles kept per arm, bucket and kind (steady, or prefilling / after departures)
 KERNEL_OCTAVES = 1.0  # a cycle B octaves away from a bucket weighs exp(-B^2 / 2 / KERNEL_OCTAVES^2) there
-ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero
+ARM_PRIOR_CYCLES = 8.0  # an arm's mean residual is shrunk toward the line as if by this many cycles at zero, until the noise is known
 DAMPING = 1e-6  # ridge on each coefficient relative to its own data: unobserved directions stay 0
 SPECULATING_PROMPTS_PRIOR = 0.1  # a prompt token costs the same whatever the arm until target-only's prefills say otherwise
 STALE = 512  # a window whose newest cycle is older than this many cycles (any arm's) restarts at its next
@@ -70,7 +71,7 @@ def _weights(batch_size: int) -> list[tuple[int, float]]:
 class _Fit:
     """One bucket's sums over the windows it sees: X'WX, X'Wy and, per arm, sum w x, sum w y, sum w."""
 
-    __slots__ = ("xx", "xy", "arms", "weight", "theta", "inv", "dirty", "sq", "sqw")
+    __slots__ = ("xx", "xy", "arms", "weight", "theta", "inv", "dirty", "sq", "sqw", "priors")
 
     def __init__(self):
         self.xx = np.zeros((NUM_FEATURES, NUM_FEATURES))
@@ -81,6 +82,7 @@ class _Fit:
         self.inv = np.zeros((NUM_FEATURES, NUM_FEATURES))  # (X'WX)^-1: the coefficients' covariance over the noise
         self.dirty = False
         self.sq = self.sqw = 0.0  # faded sum of squared relative residuals (one cycle's noise) and its weight
+        self.priors: dict = {}  # arm -> its shrinkage, in cycles (ARM_PRIOR_CYCLES where not known)
 
     def add(self, arm: tuple | None, x: np.ndarray, xx: np.ndarray | None, seconds: float, w: float) -> None:
         """A row of weight ``w`` (negative: taken out); ``xx`` None: only its seconds change by ``seconds``;
@@ -105,13 +107,32 @@ class _Fit:
             ridge[7] += SPECULATING_PROMPTS_PRIOR * self.xx[7, 7]
             self.inv = np.linalg.inv(self.xx + np.diag(ridge))
             self.theta = self.inv @ self.xy
+            self.priors = self._arm_priors()
             self.dirty = False
         return self.theta
+
+    def _arm_priors(self) -> dict:
+        """Per arm, the cycles of zero residual its mean residual is shrunk with: one cycle's noise over
+        the spread of the *other* arms' mean departures from the line, each less its own noise
+        (empirical Bayes, an arm's own cycles left out so a stall cannot vouch for itself). Where the
+        arms sit on the line, a new arm is held to it; where they do not (a cost that is no line in k,
+        as on a CPU target), an arm is believed from its first measured cycles."""
+        if self.sqw < 4:
+            return {}
+        noise = self.sq / self.sqw
+        departures = {arm: ((y - float(self.theta @ x)) / y) ** 2 - noise / n for arm, (x, y, n) in self.arms.items() if n > 0.5 and y > 0}
+        total, out = sum(departures.values()), {}
+        for arm in self.arms:
+            others = len(departures) - (arm in departures)
+            if others:
+                spread = (total - departures.get(arm, 0.0)) / others
+                out[arm] = min(WINDOW, noise / max(spread, noise / WINDOW))
+        return out
 
     def predict(self, x: np.ndarray, arm: tuple) -> float:
         theta = self.solve()
         a = self.arms.get(arm)
-        offset = 0.0 if a is None else (a[1] - float(theta @ a[0])) / (a[2] + ARM_PRIOR_CYCLES)
+        offset = 0.0 if a is None else (a[1] - float(theta @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
         return max(1e-6, float(theta @ x) + offset)
 
     def predict_many(self, xs: np.ndarray, arms: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +142,7 @@ class _Fit:
         for i, arm in enumerate(arms):
             a = self.arms.get(arm)
             if a is not None:
-                out[i] += (a[1] - float(theta @ a[0])) / (a[2] + ARM_PRIOR_CYCLES)
+                out[i] += (a[1] - float(theta @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
         return np.maximum(out, 1e-6), np.maximum(0.0, np.einsum("ij,jk,ik->i", xs, self.inv, xs))
 
 

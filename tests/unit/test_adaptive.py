@@ -398,7 +398,22 @@ def test_leaving_target_only_takes_the_best_arm_whose_gain_is_clear():
     ctrl.buckets[0] = _Bucket(current=TARGET_ONLY, choices=DECIDE_EVERY - 1)
     predicted = {TARGET_ONLY: (100.0, 0.01), Arm(4, False): (300.0, 0.02), Arm(4, True): (301.0, 50.0)}
     ctrl._predictions = lambda batch_size, cache: predicted
-    assert ctrl.choose(1, True, True) == 4 and not ctrl.cache_only
+    ctrl.model.measured = lambda batch_size, arm: RUN - SETTLE
+    assert ctrl.choose(1, True, True) == 4 and not ctrl.cache_only and ctrl.buckets[0].current == Arm(4, False)
+
+
+def test_an_arm_the_bucket_never_measured_is_explored_before_it_is_run():
+    """Predicted by the line alone (a cost that may be no line in k), the best arm is first explored; it
+    becomes the choice when its exploration ends and it still clears the hysteresis."""
+    from specserve.adaptive import PROBE
+
+    ctrl = SpeculationController(max_k=4)
+    ctrl.buckets[0] = _Bucket(current=TARGET_ONLY, choices=DECIDE_EVERY - 1)
+    ctrl._predictions = lambda batch_size, cache: {TARGET_ONLY: (100.0, 0.01), Arm(2, True): (150.0, 0.02)}
+    arms = [ctrl.choose(1, True, True) for _ in range(PROBE)]
+    assert arms == [2] * PROBE and ctrl.buckets[0].current == TARGET_ONLY and ctrl.buckets[0].explored == Arm(2, True)
+    ctrl.choose(1, True, True)
+    assert ctrl.buckets[0].current == Arm(2, True) and ctrl.arm == Arm(2, True)
 
 
 def test_an_arm_measured_again_after_a_long_gap_is_measured_afresh():
@@ -428,6 +443,24 @@ def test_an_arms_own_residual_is_of_its_steady_cycles_at_its_own_batch_size():
                 model.add(32, arm, 0, (cost + left * departure[arm]) * r.uniform(0.98, 1.02), left)
     for arm, cost in steady.items():
         assert model.seconds(32, arm) == pytest.approx(cost, rel=0.05)
+
+
+@pytest.mark.parametrize("off_the_line", [False, True])
+def test_an_arm_is_held_to_the_line_as_far_as_the_other_arms_sit_on_it(off_the_line):
+    """Where the arms measured sit on a line in k, a new arm's first cycles are held to it (two slow
+    ones move it little); where they do not (a CPU target's cycle is no line in k), a new arm's own
+    first two cycles are believed over the line's extrapolation."""
+    model, r = CycleModel(), random.Random(2)
+    if off_the_line:
+        measured, true = {(0, False): 0.010, (2, True): 0.014, (3, True): 0.021, (4, True): 0.016}, 0.019
+    else:
+        measured, true = {(0, False): 0.010, (2, True): 0.015, (3, True): 0.0175, (4, True): 0.020}, 0.0125
+    for _ in range(32):
+        for arm, cost in measured.items():
+            model.add(8, arm, 0, cost * r.uniform(0.95, 1.05))
+    for _ in range(2):
+        model.add(8, (1, True), 0, true * (1.0 if off_the_line else 1.25))
+    assert model.seconds(8, (1, True)) == pytest.approx(true, rel=0.1 if off_the_line else 0.05)
 
 
 def test_a_load_whose_prompts_cost_more_beside_speculation_is_served_target_only():
