@@ -5,6 +5,7 @@ assertion is deterministic."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
@@ -215,8 +216,8 @@ def test_explorations_that_change_nothing_become_rarer():
     ctrl._predictions = lambda batch_size, cache: predicted
     arms = [ctrl.choose(1, True, False) for _ in range(EXPLORE_MAX)]
     starts = [i for i in range(1, len(arms)) if arms[i] and not arms[i - 1]]
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert len(starts) >= 3 and all(b >= 2 * a - 4 for a, b in zip(gaps, gaps[1:])), starts
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(starts) >= 3 and all(b >= 2 * a - 4 for a, b in itertools.pairwise(gaps)), starts
 
 
 def test_one_stalled_cycle_does_not_move_the_choice():
