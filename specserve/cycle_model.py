@@ -9,13 +9,13 @@ drafts, the link, scheduling and output handling. Its seconds are modelled as a 
 (B sequences, k draft tokens each) plus each arm's own mean residual over its steady cycles in the
 bucket itself, shrunk toward the line as far as the other arms sit on it, fitted by least squares
 to the last ``WINDOW`` steady cycles of every arm and as many of its cycles that prefilled prompts
-or followed departures. A prompt token
-may cost more in a cycle that speculates (the draft prefills it too, and the target verifies blocks
-beside it): the last term. Every batch-size bucket (1, 2, 4, ...) keeps its own fit, to which a
-cycle contributes with a weight that falls with its distance in octaves of batch size, so a bucket
-that has never run borrows from its neighbours. An arm not run keeps its windows: what it cost is
-known until it is measured again, and a window whose newest cycle is ``STALE`` cycles old restarts
-then (the host it measured may have moved). Pure numpy; knows nothing of engines or drafts.
+or followed departures. A prompt token may cost more in a cycle that speculates (the draft
+prefills it too, and the target verifies blocks beside it): the last term. Every batch-size bucket
+(1, 2, 4, ...) keeps its own fit, to which a cycle contributes with a weight that falls with its
+distance in octaves of batch size, so a bucket that has never run borrows from its neighbours. An
+arm not run keeps its windows: what it cost is known until it is measured again, and a window whose
+newest cycle is ``STALE`` cycles old restarts then (the host it measured may have moved). Pure
+numpy; knows nothing of engines or drafts.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from specserve.adaptive import (DECIDE_EVERY, _Bucket, EXPLORE_BUDGET, EXPLORE_MAX, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
+from specserve.adaptive import (DECIDE_EVERY, _Bucket, EXPLORE_BUDGET, EXPLORE_MAX, PROBE, PUSH_EVERY, RUN, SETTLE, TARGET_ONLY, Arm, SpeculationController,
                                 replay)
 from specserve.cycle_model import CycleModel, bucket_of
 
@@ -195,8 +195,6 @@ def test_draining_batches_are_cycles_of_their_own_batch_size():
 def test_a_run_is_measured_from_its_third_cycle_whether_or_not_its_switch_was_pure():
     """The vLLM target's first cycle of a run still verifies the previous arm's drafts (impure): it is
     the run's first cycle, so an exploration of ``PROBE`` cycles measures as many on either engine."""
-    from specserve.adaptive import PROBE
-
     measured = []
     for first_pure in (True, False):
         ctrl = SpeculationController(max_k=4)
@@ -406,8 +404,6 @@ def test_leaving_target_only_takes_the_best_arm_whose_gain_is_clear():
 def test_an_arm_the_bucket_never_measured_is_explored_before_it_is_run():
     """Predicted by the line alone (a cost that may be no line in k), the best arm is first explored; it
     becomes the choice when its exploration ends and it still clears the hysteresis."""
-    from specserve.adaptive import PROBE
-
     ctrl = SpeculationController(max_k=4)
     ctrl.buckets[0] = _Bucket(current=TARGET_ONLY, choices=DECIDE_EVERY - 1)
     ctrl._predictions = lambda batch_size, cache: {TARGET_ONLY: (100.0, 0.01), Arm(2, True): (150.0, 0.02)}
