@@ -215,7 +215,7 @@ class SpeculationController:
             st.current, mine, st.interval = pick, allowed[pick], EXPLORE_MIN
         if not (ended or due):
             return
-        optimistic = {a: r * (1.0 + OPTIMISM * u) for a, (r, u) in predicted.items() if a != st.current and (cache or not a.cache_only)}
+        optimistic = {a: r * (1.0 + OPTIMISM * predicted[a][1]) for a, r in allowed.items() if a != st.current}
         if ended:  # explore less often while explorations change nothing
             if best == st.current:
                 st.interval = min(2 * st.interval, EXPLORE_MAX)
@@ -324,11 +324,12 @@ class SpeculationController:
     # -- what the drafts and the metrics read ------------------------------------------------------
     def budget(self, batch_size: int, k: int) -> float:
         """Seconds from the draft's reply to the next request: the verify and the link (0: not known yet)."""
-        known = [w for (b, w) in self.verify_s if b == bucket_of(batch_size)]
+        b = bucket_of(batch_size)
+        known = [w for (bb, w) in self.verify_s if bb == b]
         if not known or self.link_floor_s is None:
             return 0.0
         width = min(known, key=lambda w: abs(w - (k + 1)))
-        return self.verify_s[(bucket_of(batch_size), width)] + self.link_floor_s
+        return self.verify_s[(b, width)] + self.link_floor_s
 
     def state(self) -> dict:
         arms = {str(1 << b): f"{st.current.k}{'c' if st.current.cache_only else ''}"

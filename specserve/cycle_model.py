@@ -129,20 +129,19 @@ class _Fit:
                 out[arm] = min(WINDOW, noise / max(spread, noise / WINDOW))
         return out
 
-    def predict(self, x: np.ndarray, arm: tuple) -> float:
-        theta = self.solve()
+    def _offset(self, arm: tuple) -> float:
+        """The arm's own mean residual over its steady cycles, shrunk toward the line by its prior."""
         a = self.arms.get(arm)
-        offset = 0.0 if a is None else (a[1] - float(theta @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
-        return max(1e-6, float(theta @ x) + offset)
+        return 0.0 if a is None else (a[1] - float(self.theta @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
+
+    def predict(self, x: np.ndarray, arm: tuple) -> float:
+        return max(1e-6, float(self.solve() @ x) + self._offset(arm))
 
     def predict_many(self, xs: np.ndarray, arms: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
         """Each arm's seconds, and x' (X'WX)^-1 x: its prediction's variance over the noise's."""
-        theta = self.solve()
-        out = xs @ theta
+        out = xs @ self.solve()
         for i, arm in enumerate(arms):
-            a = self.arms.get(arm)
-            if a is not None:
-                out[i] += (a[1] - float(theta @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
+            out[i] += self._offset(arm)
         return np.maximum(out, 1e-6), np.maximum(0.0, np.einsum("ij,jk,ik->i", xs, self.inv, xs))
 
 
