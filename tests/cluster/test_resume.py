@@ -289,15 +289,20 @@ def replicas() -> list[tuple[str, int]]:
     return [(f"target-{handle._actor_id.hex()[:12]}", pid) for handle, pid, _ in serve_actors(APP, "Target") if alive(pid)]
 
 
-def victim(live: list[tuple[str, int]]) -> int:
-    """The pid of the replica among ``live`` running the most requests, as it last announced (the router
-    balances streams, but a replica just replaced may have been passed over meanwhile)."""
+def victim(live: list[tuple[str, int]], timeout: float = 30) -> int:
+    """The pid of the replica among ``live`` running the most requests, as it announces them (the router
+    balances streams, but a replica just replaced may have been passed over meanwhile). Announcements
+    come twice a second, later on a loaded machine, so the first snapshots read under a new batch can
+    still show none running."""
     from ray import serve
 
-    snapshot = serve.get_deployment_handle("Registry", app_name=APP).snapshot.remote().result()["target"]
-    running = [((snapshot.get(name) or {}).get("num_running") or 0, pid) for name, pid in live if alive(pid)]
-    assert max(running)[0] > 0, f"no replica is running a request: {running}"
-    return max(running)[1]
+    registry = serve.get_deployment_handle("Registry", app_name=APP)
+
+    def busiest():
+        snapshot = registry.snapshot.remote().result()["target"]
+        count, pid = max(((snapshot.get(name) or {}).get("num_running") or 0, pid) for name, pid in live if alive(pid))
+        return pid if count > 0 else None
+    return wait_until(busiest, timeout, 0.1, "a replica announcing a running request")
 
 
 def test_sigkill_of_one_of_two_replicas_mid_stream(app, batch, undisturbed):
