@@ -5,12 +5,13 @@ run after which the controller's own fit predicts every arm; ``profiles``: the s
 for the ``sim`` pair only, plus the engine's own time per cycle on this host, which no device profile
 holds: the run's time outside the forwards and the waits for the draft, per step), then a run of
 the system with its defaults on the same prompts, B requests in flight, after one untimed run of
-the same load, in the two-device harness (each Ray node on cores of its own). Prints predicted and
-delivered tokens/s and their ratio; greedy outputs. The rate delivered is the one while B requests
-were in flight, as a server's steady load keeps them (the whole load's, which ends on a drain the
-plan does not price, beside it).
+the same load, in the two-device harness (each Ray node on cores of its own). A round is one plan
+and the run right after it; the machine's speed moves between rounds, so the table gives each
+round's ratio of predicted to delivered tokens/s (median, min-max) beside the medians of both. Greedy
+outputs. The rate delivered is the one while B requests were in flight, as a server's steady load
+keeps them (the whole load's, which ends on a drain the plan does not price, beside it).
 
-    python -m benchmarks.bench_plan --pairs realistic,sim,demo --batch-sizes 1,8  # ~10 min on 2 cores
+    python -m benchmarks.bench_plan --pairs realistic,sim,demo --batch-sizes 1,8  # ~20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 SIM = ("qwen3-8b-h100", "qwen3-0.6b-h100", 0.7)  # target and draft profiles, greedy acceptance
 SIM_STEP_MS = 25.0
@@ -86,19 +88,63 @@ def in_flight_rate(outs, batch: int, start: float) -> float:
     return tokens / (end - start)
 
 
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per pair and batch size: the medians over rounds of the rates delivered and predicted, the arms
+    the plans chose, and each round's ratio of prediction to delivery (``measured`` and ``profiled``)."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["pair"], r["batch"]), []).append(r)
+    table = []
+    for (name, batch), group in out.items():
+        row = {"pair": name, "batch": batch, "rounds": len(group), "delivered": median(r["delivered"] for r in group),
+               "whole_load": median(r["whole_load"] for r in group), "measured_plan": median(r["measured_plan"] for r in group),
+               "measured_arms": sorted({r["measured_arm"] for r in group}),
+               "measured": sorted(r["measured_plan"] / r["delivered"] for r in group)}
+        if all("profiled_plan" in r for r in group):
+            row.update(profiled_plan=median(r["profiled_plan"] for r in group), profiled=sorted(r["profiled_plan"] / r["delivered"] for r in group),
+                       overhead_ms=median(r["overhead_ms"] for r in group))
+        table.append(row)
+    return table
+
+
+def _ratios(ratios: list[float]) -> str:
+    return f"{median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def tables(argv, summary: list[dict]) -> str:
+    from .cli import header
+
+    lines = [header("benchmarks.bench_plan", argv), "", "| pair | batch | delivered tok/s (whole load) | plan (measured) | its arms | "
+             "measured / delivered, by round | plan (profiles) | profiles / delivered, by round |", "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for r in summary:
+        profiles = "- | -" if "profiled" not in r else f"{r['profiled_plan']:.1f} | {_ratios(r['profiled'])}"
+        lines.append(f"| {r['pair']} | {r['batch']} | {r['delivered']:.1f} ({r['whole_load']:.1f}) | {r['measured_plan']:.1f} | "
+                     f"{'; '.join(r['measured_arms'])} | {_ratios(r['measured'])} | {profiles} |")
+    rounds = sorted({r["rounds"] for r in summary})
+    lines += ["", f"Medians of {'/'.join(map(str, rounds))} rounds, a round being one plan and the run after it; the ratios by round: "
+              "median (min-max). delivered: while B requests were in flight (the rate the plan predicts; the whole load's, with its "
+              "drain, in brackets); profiles: the simulator's devices plus the engine's own time per cycle on this host as the run "
+              "measured it (" + ", ".join(f"{r['pair']} batch {r['batch']}: {r['overhead_ms']:.1f} ms" for r in summary if "profiled" in r)
+              + "; `specserve plan --step-overhead-ms`)"]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     from specserve import LLM, plan
 
     from .bench_cluster import THREAD_ENV, local_cluster
-    from .cli import header, parser
+    from .cli import parser
 
     p = parser("benchmarks.bench_plan", __doc__)
     p.add_argument("--pairs", default="realistic,sim", help="pairs, comma-separated: demo, realistic, sim")
     p.add_argument("--batch-sizes", default="1,8", help="powers of two, comma-separated")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--rounds", type=int, default=3, help="plans, each with the run after it, per pair")
     p.add_argument("--out", default="bench_out/plan", help="folder for tables.md and results.json")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
     batches = [int(b) for b in a.batch_sizes.split(",")]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,31 +154,22 @@ def main(argv=None) -> int:
             target, draft, kw, prompts, scale = pair(name)
             kw.update(ray=True, address=cluster.address, num_speculative_tokens=a.k, cpu_threads=1,
                       target_num_cpus=1, draft_num_cpus=1, runtime_env={"env_vars": THREAD_ENV})
-            measured = {r["batch_size"]: r for r in plan.measure(target, draft, prompts, batches, a.max_tokens, **kw)}
-            with LLM(target, draft=draft, **kw) as llm:
-                for b in batches:
-                    whole, full, overhead = delivered(llm, prompts, b, a.max_tokens)
-                    row = {"pair": name, "batch": b, "delivered": full, "whole_load": whole, "measured_plan": measured[b]["tokens_per_s"],
-                           "measured_arm": plan.arm_text(measured[b]["arm"]), "overhead_ms": overhead * 1e3}
-                    if name == "sim":  # the devices from the profiles, the engine's own time per cycle on this host as measured
-                        profiled = [r for r in plan.predict(SIM[0], SIM[1], "10gbe", SIM[2], [b], a.k, context=64, overhead_s=overhead,
-                                                            time_scale=scale, prompt_tokens=len(prompts[0]), max_tokens=a.max_tokens)
-                                    if r["deployment"] == "remote, drafting ahead"][0]
-                        row.update(profiled_plan=profiled["tokens_per_s"], profiled_arm=plan.arm_text(profiled["arm"]))
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    lines = [header("benchmarks.bench_plan", argv), "", "| pair | batch | delivered tok/s (whole load) | plan (measured) | its arm | "
-             "measured / delivered | plan (profiles) | profiles / delivered |", "|---|---:|---:|---:|---|---:|---:|---:|"]
-    for r in rows:
-        prof = r.get("profiled_plan")
-        profiles = "- | -" if prof is None else f"{prof:.1f} | {prof / r['delivered']:.2f}"
-        lines.append(f"| {r['pair']} | {r['batch']} | {r['delivered']:.1f} ({r['whole_load']:.1f}) | {r['measured_plan']:.1f} | {r['measured_arm']} "
-                     f"| {r['measured_plan'] / r['delivered']:.2f} | {profiles} |")
-    lines += ["", "delivered: while B requests were in flight (the rate the plan predicts; the whole load's, with its drain, "
-              "in brackets); profiles: the simulator's devices plus the engine's own time per cycle on this host as the run "
-              "measured it (" + ", ".join(f"{r['pair']} batch {r['batch']}: {r['overhead_ms']:.1f} ms" for r in rows if "profiled_plan" in r)
-              + "; `specserve plan --step-overhead-ms`)"]
-    table = "\n".join(lines) + "\n"
+            for round_ in range(a.rounds):
+                measured = {r["batch_size"]: r for r in plan.measure(target, draft, prompts, batches, a.max_tokens, **kw)}
+                with LLM(target, draft=draft, **kw) as llm:
+                    for b in batches:
+                        whole, full, overhead = delivered(llm, prompts, b, a.max_tokens)
+                        row = {"pair": name, "batch": b, "round": round_, "delivered": full, "whole_load": whole,
+                               "measured_plan": measured[b]["tokens_per_s"], "measured_arm": plan.arm_text(measured[b]["arm"]),
+                               "overhead_ms": overhead * 1e3}
+                        if name == "sim":  # the devices from the profiles, the engine's own time per cycle on this host as measured
+                            profiled = [r for r in plan.predict(SIM[0], SIM[1], "10gbe", SIM[2], [b], a.k, context=64, overhead_s=overhead,
+                                                                time_scale=scale, prompt_tokens=len(prompts[0]), max_tokens=a.max_tokens)
+                                        if r["deployment"] == "remote, drafting ahead"][0]
+                            row.update(profiled_plan=profiled["tokens_per_s"], profiled_arm=plan.arm_text(profiled["arm"]))
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    table = tables(argv, summarize(rows))
     (out / "tables.md").write_text(table)
     (out / "results.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
     print(table)

@@ -235,6 +235,25 @@ def test_plan_bench_rates_a_load_while_its_batch_is_full():
         in_flight_rate(outs, 3, 0.0)
 
 
+def test_plan_bench_pairs_each_plan_with_the_run_after_it():
+    """bench_plan's ratios are by round (a plan and the run right after it), not of medians taken apart:
+    a round whose plan and run both met a slow machine still compares like with like."""
+    from benchmarks.bench_plan import summarize, tables
+
+    rows = [{"pair": "demo", "batch": 1, "round": i, "delivered": d, "whole_load": d, "measured_plan": m, "measured_arm": arm, "overhead_ms": 1.0}
+            for i, (d, m, arm) in enumerate(((100.0, 90.0, "k=4"), (50.0, 50.0, "k=4"), (100.0, 110.0, "k=3")))]
+    rows.append({"pair": "sim", "batch": 8, "round": 0, "delivered": 200.0, "whole_load": 190.0, "measured_plan": 210.0,
+                 "measured_arm": "k=4, cache-only", "overhead_ms": 1.5, "profiled_plan": 180.0, "profiled_arm": "k=4"})
+    demo, sim = summarize(rows)
+    assert demo["measured"] == pytest.approx([0.9, 1.0, 1.1]) and demo["delivered"] == 100.0 and demo["measured_plan"] == 90.0
+    assert demo["measured_arms"] == ["k=3", "k=4"] and "profiled" not in demo and demo["rounds"] == 3
+    assert sim["profiled"] == pytest.approx([0.9]) and sim["overhead_ms"] == 1.5
+    text = tables(["--pairs", "demo,sim"], [demo, sim])
+    assert "| demo | 1 | 100.0 (100.0) | 90.0 | k=3; k=4 | 1.00 (0.90-1.10) | - | - |" in text
+    assert "| sim | 8 | 200.0 (190.0) | 210.0 | k=4, cache-only | 1.05 (1.05-1.05) | 180.0 | 0.90 (0.90-0.90) |" in text
+    assert "Medians of 1/3 rounds" in text and "sim batch 8: 1.5 ms" in text
+
+
 def test_vllm_bench_spreads_request_lengths_the_same_for_every_system(tmp_path, capsys):
     """--length-spread s: each request's length drawn by its index from L x [1 - s, 1 + s] (every system
     and round gets the same), none at 0; out of [0, 1) it is refused before anything starts."""
