@@ -11,7 +11,7 @@ round's ratio of predicted to delivered tokens/s (median, min-max) beside the me
 outputs. The rate delivered is the one while B requests were in flight, as a server's steady load
 keeps them (the whole load's, which ends on a drain the plan does not price, beside it).
 
-    python -m benchmarks.bench_plan --pairs realistic,sim,demo --batch-sizes 1,8  # ~20 min on 2 cores
+    python -m benchmarks.bench_plan --pairs realistic,sim,demo --batch-sizes 1,8  # ~15 min on 2 cores
 """
 
 from __future__ import annotations
