@@ -107,19 +107,16 @@ def summarize(rows: list[dict]) -> list[dict]:
     return table
 
 
-def _ratios(ratios: list[float]) -> str:
-    return f"{median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
-
-
 def tables(argv, summary: list[dict]) -> str:
     from .cli import header
+    from .report import by_round
 
     lines = [header("benchmarks.bench_plan", argv), "", "| pair | batch | delivered tok/s (whole load) | plan (measured) | its arms | "
              "measured / delivered, by round | plan (profiles) | profiles / delivered, by round |", "|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in summary:
-        profiles = "- | -" if "profiled" not in r else f"{r['profiled_plan']:.1f} | {_ratios(r['profiled'])}"
+        profiles = "- | -" if "profiled" not in r else f"{r['profiled_plan']:.1f} | {by_round(r['profiled'])}"
         lines.append(f"| {r['pair']} | {r['batch']} | {r['delivered']:.1f} ({r['whole_load']:.1f}) | {r['measured_plan']:.1f} | "
-                     f"{'; '.join(r['measured_arms'])} | {_ratios(r['measured'])} | {profiles} |")
+                     f"{'; '.join(r['measured_arms'])} | {by_round(r['measured'])} | {profiles} |")
     rounds = sorted({r["rounds"] for r in summary})
     lines += ["", f"Medians of {'/'.join(map(str, rounds))} rounds, a round being one plan and the run after it; the ratios by round: "
               "median (min-max). delivered: while B requests were in flight (the rate the plan predicts; the whole load's, with its "

@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from . import cli, cpu_share
+from . import cli, cpu_share, report
 from .bench_cluster import THREAD_ENV, local_cluster
 
 VLLM_OPTIONS = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 512}
@@ -294,8 +294,7 @@ def main(argv=None) -> int:
                 f"{_cpu(r.get('draft_cores_cpu'), total=True)} | {_fmt(r.get('drafted_share'))} |")
         if paired:
             by_round = r["vs_best_vllm_by_round"]
-            line += (f" {statistics.median(by_round):.2f}x ({min(by_round):.2f}-{max(by_round):.2f}), "
-                     f"{sum(x >= 1.0 for x in by_round)}/{len(by_round)} |" if by_round else " - |")
+            line += f" {report.by_round(by_round, 'x', count=True)} |" if by_round else " - |"
         lines.append(line)
     print("\n".join(lines))
     (out / "serve.md").write_text("\n".join(lines) + "\n")

@@ -59,6 +59,7 @@ from pathlib import Path
 
 from .bench_cluster import ROLE, THREAD_ENV, local_cluster
 from .cli import header, parser
+from .report import by_round
 from .scenarios import heldout_prompts, load_example
 
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -355,10 +356,7 @@ def per_round_ratios(group: list[dict], k: int) -> dict[str, list[float]]:
 
 def _rounds(ratios: list[float] | None) -> str:
     """median (min-max), rounds at or above 1.0 of all."""
-    if not ratios:
-        return "-"
-    return (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}), "
-            f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)}")
+    return by_round(ratios, "x", count=True) if ratios else "-"
 
 
 def _fmt(v, spec: str = ".2f") -> str:

@@ -31,6 +31,13 @@ def read_results(path: str | Path) -> dict:
     return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
 
 
+def by_round(ratios: list[float], unit: str = "", count: bool = False) -> str:
+    """A ratio paired by round, as a table cell: median (min-max), and with ``count`` the rounds at or
+    above 1.0 of all."""
+    cell = f"{statistics.median(ratios):.2f}{unit} ({min(ratios):.2f}-{max(ratios):.2f})"
+    return f"{cell}, {sum(r >= 1.0 for r in ratios)}/{len(ratios)}" if count else cell
+
+
 def _median(rs: list[dict], key: str):
     values = [r[key] for r in rs if r.get(key) is not None]
     return statistics.median(values) if values else None
