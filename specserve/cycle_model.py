@@ -132,7 +132,7 @@ class _Fit:
     def _offset(self, arm: tuple) -> float:
         """The arm's own mean residual over its steady cycles, shrunk toward the line by its prior."""
         a = self.arms.get(arm)
-        return 0.0 if a is None else (a[1] - float(self.theta @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
+        return 0.0 if a is None else (a[1] - float(self.solve() @ a[0])) / (a[2] + self.priors.get(arm, ARM_PRIOR_CYCLES))
 
     def predict(self, x: np.ndarray, arm: tuple) -> float:
         return max(1e-6, float(self.solve() @ x) + self._offset(arm))
